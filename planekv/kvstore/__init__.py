@@ -1,0 +1,35 @@
+"""planekv.kvstore: the ground layer. Format identity, codec, plane layout and cache objects, the
+depth allocator, the torch reference reader, baselines and accounting. Imports nothing else of
+PlaneKV."""
+
+from . import reference
+from .accounting import (
+    Capacity,
+    capacity,
+    capacity_for,
+    dense_bytes,
+    history_reads,
+    logical_read_bits,
+    rate,
+    two_stage_workspace_bytes,
+    write_amortization,
+)
+from .allocate import greedy_allocate, ladder, threshold_allocate
+from .calibration import Calibration, CalibrationBuilder, calibrate
+from .codebook import GaussianTree, lloyd_max_levels
+from .codec import Codec
+from .errors import BudgetError, CacheFull, CalibrationError, FormatMismatch, PlaneKVError
+from .format import FormatSpec
+from .planes import PlaneKVCache, pack_k_page, pack_v_page
+from .policy import ReadPolicy
+from .stats import ReadStats
+from .transform import HadamardSign, block_sizes, hadamard_matrix
+
+__all__ = [
+    "BudgetError", "CacheFull", "Calibration", "CalibrationBuilder", "CalibrationError", "Capacity",
+    "Codec", "FormatMismatch", "FormatSpec", "GaussianTree", "HadamardSign", "PlaneKVCache",
+    "PlaneKVError", "ReadPolicy", "ReadStats", "block_sizes", "calibrate", "capacity", "capacity_for",
+    "dense_bytes", "greedy_allocate", "hadamard_matrix", "history_reads", "ladder", "lloyd_max_levels",
+    "logical_read_bits", "pack_k_page", "pack_v_page", "rate", "reference", "threshold_allocate",
+    "two_stage_workspace_bytes", "write_amortization",
+]

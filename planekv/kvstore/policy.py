@@ -1,0 +1,105 @@
+"""ReadPolicy: how one decode step spends its read budget (DESIGN sections 1.7-1.8 and 5).
+
+Budgets are per KV head and per step, in plane increments:
+``B_K`` channel-plane increments (each costs T bits) and ``B_V`` token-plane increments (each costs
+d bits), so ``R = (T B_K + d B_V) / (2 T d)`` bits are read per stored scalar on average. A rate R
+with a K share ``phi`` gives ``B_K = round(2 d R phi)`` (independent of T) and
+``B_V = floor((2 T d R - T B_K) / d)``. A pooled reader spends ``n_kv_heads`` times these budgets
+across the KV heads of a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import BudgetError
+
+Reader = Literal["flexible", "constrained"]
+
+
+@dataclass(frozen=True)
+class ReadPolicy:
+    """Recorded with every result. Give either ``rate`` (R) or both ``budget_k`` and ``budget_v``."""
+
+    width: int = 8
+    rate: float | None = 4.0
+    budget_k: int | None = None
+    budget_v: int | None = None
+    k_share: float = 0.5  # fraction of the bits spent on Keys (flexible: chosen on the dev text)
+    reader: Reader = "flexible"
+    min_depth_k: int = 0
+    min_depth_v: int = 0
+    v_packet: int = 1  # Value depths grow in steps of this many planes after the minimum
+    pool_heads: bool = True  # budget pooled across the KV heads of a layer
+    tier_aware: bool = False
+    deadline_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        given = (self.budget_k is not None, self.budget_v is not None)
+        if self.rate is None and given != (True, True):
+            raise BudgetError("give a rate R, or both budget_k and budget_v")
+        if self.rate is not None and any(given):
+            raise BudgetError("give a rate R or (budget_k, budget_v), not both")
+        if self.rate is not None and not 0 <= self.rate <= self.width:
+            raise BudgetError(f"rate R must be in [0, W={self.width}] bits per scalar, got {self.rate}")
+        for name in ("budget_k", "budget_v"):
+            val = getattr(self, name)
+            if val is not None and val < 0:
+                raise BudgetError(f"{name} must be >= 0, got {val}")
+        if not 0.0 <= self.k_share <= 1.0:
+            raise BudgetError(f"k_share must be in [0, 1], got {self.k_share}")
+        if self.reader not in ("flexible", "constrained"):
+            raise ValueError(f"reader must be 'flexible' or 'constrained', got {self.reader!r}")
+        for name in ("min_depth_k", "min_depth_v"):
+            if not 0 <= getattr(self, name) <= self.width:
+                raise BudgetError(f"{name} must be in 0..W={self.width}")
+        if self.v_packet < 1:
+            raise BudgetError(f"v_packet must be >= 1, got {self.v_packet}")
+
+    @classmethod
+    def flexible(cls, rate: float = 4.0, k_share: float = 0.5, width: int = 8, **kw: Any) -> ReadPolicy:
+        """The flexible reader: pooled across KV heads, depth 0 allowed, tuned K/V split."""
+        return cls(width=width, rate=rate, k_share=k_share, reader="flexible", pool_heads=True,
+                   min_depth_k=0, min_depth_v=0, v_packet=1, **kw)
+
+    @classmethod
+    def constrained(cls, rate: float = 4.0, width: int = 8, **kw: Any) -> ReadPolicy:
+        """The paper's speed configuration: equal split, per head, minimum depth 1, V packets of 2."""
+        return cls(width=width, rate=rate, k_share=0.5, reader="constrained", pool_heads=False,
+                   min_depth_k=1, min_depth_v=1, v_packet=2, **kw)
+
+    def budgets(self, n_tokens: int, head_dim: int) -> tuple[int, int]:
+        """(B_K, B_V) per KV head for a step that reads ``n_tokens`` tokens of dim ``head_dim``.
+
+        Clamped to what is stored (d*W and T*W); raises BudgetError below the minimum depths.
+        """
+        t, d, w = n_tokens, head_dim, self.width
+        if self.rate is None:
+            bk, bv = int(self.budget_k), int(self.budget_v)  # type: ignore[arg-type]
+        else:
+            bk = int(round(2 * d * self.rate * self.k_share))
+            bk = min(bk, d * w)
+            bv = int(math.floor((2 * t * d * self.rate - t * bk) / d + 1e-9))
+        bk, bv = min(bk, d * w), min(bv, t * w)
+        if bk < self.min_depth_k * d:
+            raise BudgetError(
+                f"Key budget {bk} is below the minimum depth {self.min_depth_k} x {d} channels")
+        if bv < self.min_depth_v * t:
+            raise BudgetError(
+                f"Value budget {bv} is below the minimum depth {self.min_depth_v} x {t} tokens")
+        return bk, bv
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def label(self) -> str:
+        """Short name for tables, e.g. ``ReadKV(8,4) flexible``."""
+        if self.rate is not None:
+            r = f"{self.rate:g}"
+        else:
+            r = f"BK={self.budget_k},BV={self.budget_v}"
+        return f"ReadKV({self.width},{r}) {self.reader}"

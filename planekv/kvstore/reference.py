@@ -1,0 +1,264 @@
+"""Reference two-stage reader (torch, CPU and CUDA) and the baselines behind one interface.
+
+The reader follows DESIGN section 1, steps 5-8, for one layer:
+
+1. Key stage: ``a_c = sum_{h in group} (q~_{h,c} sigma_{K,c})^2``; channel depths by the threshold
+   allocator (addresses are fixed before any Key bit is read); logits from K reconstructed at
+   those depths; softmax.
+2. Value stage: ``b_i = sum_{h in group} p_{h,i}^2``; token depths; weighted sum of V reconstructed
+   at those depths; inverse transform.
+
+Query heads map to KV heads as in Hugging Face's ``repeat_kv``: query head h reads KV head
+``h // G``. Shapes: q [Hq, M, d] (M query rows), K/V [Hkv, T, d]; each row m reads tokens
+``[starts[m], lengths[m])``. A decode step is one row reading everything; the teacher-forced mode
+(for perplexity) has row i read tokens ``[0, i]``: the token's own K/V is appended before its read,
+exactly as in a decode step, and every row allocates its own depths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .accounting import two_stage_workspace_bytes
+from .allocate import threshold_allocate
+
+# The baselines live in their own module; they are part of this module's public API.
+from .baselines import (  # noqa: E402,F401
+    FP8,
+    KIVI,
+    Dense,
+    FullReader,
+    KVSystem,
+    SparQ,
+    TurboQuant,
+    attention,
+    row_mask,
+)
+from .codec import Codec
+from .planes import PlaneKVCache
+from .policy import ReadPolicy
+from .stats import ReadStats
+
+__all__ = [
+    "FP8", "KIVI", "Dense", "FullReader", "KVSystem", "ReadKV", "SparQ", "TurboQuant",
+    "attention", "readkv_decode", "readkv_rows", "readkv_teacher_forced", "row_mask",
+    "make_system", "SYSTEM_NAMES",
+]
+
+
+def _row_budgets(policy: ReadPolicy, n_tokens: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    memo: dict[int, tuple[int, int]] = {}
+    bk, bv = [], []
+    for t in n_tokens.tolist():
+        if t not in memo:
+            memo[t] = policy.budgets(int(t), head_dim)
+        bk.append(memo[t][0])
+        bv.append(memo[t][1])
+    return torch.tensor(bk, dtype=torch.int64), torch.tensor(bv, dtype=torch.int64)
+
+
+def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy, distortion: list[float],
+              min_depth: int, packet: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """importance [M, Hkv, n], budget [M] per head -> depths [M, Hkv, n]; pooled or per head."""
+    m, hk, n = importance.shape
+    if policy.pool_heads:
+        v = None if valid is None else valid.reshape(m, hk * n)
+        dep = threshold_allocate(importance.reshape(m, hk * n), budget.to(importance.device) * hk, distortion,
+                                 policy.width, min_depth, packet, v)
+        return dep.reshape(m, hk, n)
+    bud = budget.to(importance.device)[:, None].expand(m, hk)
+    return threshold_allocate(importance, bud, distortion, policy.width, min_depth, packet, valid)
+
+
+def _codes_for(src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], depths: torch.Tensor) -> torch.Tensor:
+    if isinstance(src, torch.Tensor):
+        return src
+    if depths.shape[0] != 1:
+        raise ValueError("a fetch callback serves one query row (a decode step)")
+    return src(depths[0])
+
+
+def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+                v_src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], codec: Codec, layer: int,
+                policy: ReadPolicy, lengths: torch.Tensor, starts: torch.Tensor | None = None,
+                scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+    """Two-stage read for M query rows of one sequence and layer.
+
+    q [Hq, M, d] (after RoPE, model domain). ``k_src``/``v_src``: codes [Hkv, T, d] (uint8), or a
+    callback that receives the depths of a single row ([Hkv, d] for K, [Hkv, T] for V) and returns
+    code prefixes read at those depths (the paged decode path). Returns out [Hq, M, d] (float32)
+    and per-row stats.
+    """
+    spec = codec.spec
+    if policy.width != spec.width:
+        raise ValueError(f"policy width W={policy.width} != stored width {spec.width}")
+    hq, m, d = q.shape
+    hk = spec.n_kv_heads
+    if hq != spec.n_q_heads or d != spec.head_dim:
+        raise ValueError(f"q must be [{spec.n_q_heads}, M, {spec.head_dim}], got {tuple(q.shape)}")
+    g = hq // hk
+    dev = q.device
+    lengths = lengths.to(torch.int64).cpu()
+    starts = torch.zeros_like(lengths) if starts is None else starts.to(torch.int64).cpu()
+    n_tok = lengths - starts
+    if (n_tok < 1).any():
+        raise ValueError("every query row must read at least one token")
+    t_max = int(lengths.max())
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dist = codec.tree.distortion
+    table = codec.table(dev)
+    mu_k, sig_k = codec.stats(layer, "k", dev)
+    mu_v, sig_v = codec.stats(layer, "v", dev)
+    bk, bv = _row_budgets(policy, n_tok, d)
+
+    # ---- Key stage ----
+    qt = codec.rot_k.forward(q.float()).view(hk, g, m, d)  # [Hkv, G, M, d]
+    qs = qt * sig_k[:, None, None, :]
+    a = (qs * qs).sum(1).permute(1, 0, 2)  # [M, Hkv, d]: one importance per physical KV head
+    t_dep = _allocate(a, bk, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d]
+    k_codes = _codes_for(k_src, t_dep)[:, :t_max].long()  # [Hkv, T, d]
+    logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True).expand(hk, g, m, t_max).clone()
+    t_perm = t_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, d]
+    for tau in t_dep.unique().tolist():
+        if tau == 0:
+            continue  # depth 0 reconstructs mu, already in `logits`
+        kz = table[tau][k_codes]  # [Hkv, T, d]
+        logits += (qs * (t_perm == tau)) @ kz.transpose(1, 2)[:, None]
+    mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
+    logits = (logits * scale).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
+
+    # ---- Value stage ----
+    b = (p * p).sum(1).permute(1, 0, 2)  # [M, Hkv, T]
+    valid = mask[:, None, :].expand(m, hk, t_max)
+    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid)  # [M, Hkv, T]
+    v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
+    out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
+    s_perm = s_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, T]
+    acc = torch.zeros_like(out)
+    for tau in s_dep.unique().tolist():
+        if tau == 0:
+            continue
+        vz = table[tau][v_codes]  # [Hkv, T, d]
+        acc += (p * (s_perm == tau)) @ vz[:, None]
+    out = out + sig_v[:, None, None, :] * acc
+    out = codec.rot_v.inverse(out).reshape(hq, m, d)
+
+    stats = ReadStats(
+        k_bits=(n_tok.to(torch.float64) * t_dep.sum((1, 2)).cpu().double()),
+        v_bits=(d * s_dep.sum((1, 2)).cpu().double()),
+        tokens=n_tok.double(),
+        n_kv_heads=hk,
+        head_dim=d,
+        workspace_bytes=two_stage_workspace_bytes(hq, hk, int(n_tok.max()), d),
+        k_depths=t_dep.cpu(),
+        v_depths=s_dep.cpu(),
+    )
+    return out, stats
+
+
+def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
+                  scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+    """One decode step over a paged cache: q [B, Hq, d] -> out [B, Hq, d] (float32), stats [B rows].
+
+    Planes are read from the pages at the allocated depths only (K after the Key allocation, V
+    after the Value allocation). Sequences may have different lengths.
+    """
+    cache.check_format(codec.format_id)
+    outs, parts = [], []
+    for b in range(q.shape[0]):
+        t = cache.length(layer, b)
+        if t == 0:
+            raise ValueError(f"sequence {b} has no tokens in layer {layer}")
+        out, st = readkv_rows(
+            q[b][:, None, :], lambda dep, b=b: cache.read_k(layer, b, dep),
+            lambda dep, b=b: cache.read_v(layer, b, dep), codec, layer, policy,
+            torch.tensor([t]), scale=scale)
+        st.physical_bytes = cache.physical_read_bytes(layer, b, st.k_depths[0], st.v_depths[0])
+        outs.append(out[:, 0])
+        parts.append(st)
+    stats = ReadStats.concat(parts)
+    stats.k_depths = torch.cat([p.k_depths for p in parts])  # type: ignore[misc]
+    stats.extra["v_depths"] = [p.v_depths[0] for p in parts]  # type: ignore[index]
+    return torch.stack(outs), stats
+
+
+def readkv_teacher_forced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codec: Codec, layer: int,
+                          policy: ReadPolicy, scale: float | None = None, window: int | None = None,
+                          row_chunk: int = 512) -> tuple[torch.Tensor, ReadStats]:
+    """Causal pass over a whole sequence: q [Hq, N, d], k/v [Hkv, N, d] (model domain).
+
+    K/V are encoded once (the write path); row i then reads tokens [0, i] (or the last ``window``
+    tokens) with its own depths, as decode step i would. Rows are processed in chunks to bound
+    memory; the result does not depend on the chunking.
+    """
+    n = q.shape[1]
+    kc = codec.encode_k(k, layer)
+    vc = codec.encode_v(v, layer)
+    lengths = torch.arange(1, n + 1)
+    starts = torch.zeros_like(lengths) if window is None else (lengths - window).clamp_min(0)
+    outs, parts = [], []
+    for s in range(0, n, row_chunk):
+        e = min(n, s + row_chunk)
+        out, st = readkv_rows(q[:, s:e], kc[:, :e], vc[:, :e], codec, layer, policy,
+                              lengths[s:e], starts[s:e], scale)
+        outs.append(out)
+        st.k_depths, st.v_depths = None, None  # rows of different T: keep only the bit counts
+        parts.append(st)
+    stats = ReadStats.concat(parts)
+    stats.workspace_bytes = max(p.workspace_bytes for p in parts)
+    return torch.cat(outs, 1), stats
+
+
+class ReadKV(KVSystem):
+    """The two-stage reader as a system: encode with the codec, read with a ReadPolicy."""
+
+    def __init__(self, codec: Codec, policy: ReadPolicy) -> None:
+        self.codec = codec
+        self.policy = policy
+        self.name = policy.label
+
+    def describe(self) -> dict:
+        return {"system": "readkv", "policy": self.policy.to_dict(), "format_id": self.codec.format_id}
+
+    def capacity_bits(self, n_tokens: int, head_dim: int) -> float:
+        return float(self.codec.width)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> dict:
+        return {"k": self.codec.encode_k(k, layer), "v": self.codec.encode_v(v, layer), "layer": layer}
+
+    def attend(self, q: torch.Tensor, enc: dict, lengths: torch.Tensor, starts: torch.Tensor | None = None,
+               scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+        return readkv_rows(q, enc["k"], enc["v"], self.codec, enc["layer"], self.policy, lengths, starts, scale)
+
+
+SYSTEM_NAMES = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant",
+                "kivi", "sparq", "fp8")
+
+
+def make_system(name: str, rate: float, codec: Codec | None = None, k_share: float = 0.5,
+                seed: int = 1234) -> KVSystem:
+    """A system of SYSTEM_NAMES at a rate R (bits per scalar; fixed-bit systems round it)."""
+    b = max(1, int(round(rate)))
+    if name == "dense":
+        return Dense(torch.float16)
+    if name in ("readkv-flexible", "readkv-constrained", "full-reader"):
+        if codec is None:
+            raise ValueError(f"{name} needs a codec")
+        if name == "full-reader":
+            return FullReader(codec, b)
+        pol = ReadPolicy.flexible(rate, k_share, codec.width) if name == "readkv-flexible" \
+            else ReadPolicy.constrained(rate, codec.width)
+        return ReadKV(codec, pol)
+    if name == "turboquant":
+        return TurboQuant(b, seed)
+    if name == "kivi":
+        return KIVI(b)
+    if name == "sparq":
+        return SparQ(rate)
+    if name == "fp8":
+        return FP8()
+    raise ValueError(f"unknown system {name!r}; known: {SYSTEM_NAMES}")
