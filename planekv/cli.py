@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -13,6 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+
+# Modules that add subcommands; each has `register(subparsers)`.
+_SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "planekv.evaluation.cli",  # calibrate, eval
+    "planekv.kernels.cli",  # bench attention
+)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -59,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="also write the rows as JSON to this path")
     d.set_defaults(func=_demo)
+
+    # Subcommands owned by other parts register themselves here (each module exposes
+    # `register(subparsers)`); a part whose optional dependencies are missing is skipped.
+    for module in _SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:  # optional extra not installed
+            logging.getLogger(__name__).debug("subcommands of %s unavailable: %s", module, exc)
+            continue
+        mod.register(sub)
     return p
 
 

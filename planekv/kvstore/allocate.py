@@ -17,6 +17,7 @@ same as a threshold rule: ``steps(x) = #{k : a_x r_k > lambda}`` (plus ties at l
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import torch
@@ -69,7 +70,15 @@ def greedy_allocate(importance: Sequence[float], budget: int, distortion: Sequen
 
 def _kth_largest(prio_sorted: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Per row, the count-th largest value of a [rows, K, n] tensor whose rows are sorted ascending
-    along the last axis; values >= 0. Exact: bisection on the int64 pattern of float64."""
+    along the last axis, clamped at 0 (invalid entries are -1). Exact.
+
+    On CUDA one sort of the K*n values per row and a gather (a handful of launches); elsewhere a
+    bisection on the int64 pattern of float64 (cheaper than sorting on a CPU). Both return the
+    same float64 value: the smallest lambda >= 0 with fewer than ``count`` entries above it."""
+    if prio_sorted.is_cuda:
+        flat = prio_sorted.reshape(prio_sorted.shape[0], -1).sort(-1).values  # ascending
+        idx = (flat.shape[1] - count.to(flat.device)).clamp(0, flat.shape[1] - 1)
+        return flat.gather(1, idx[:, None])[:, 0].clamp_min(0.0)
     rows = prio_sorted.shape[0]
     hi_val = prio_sorted[:, :, -1].amax(1).clamp_min(0.0)
     lo = torch.zeros(rows, dtype=torch.int64, device=prio_sorted.device)  # pattern of 0.0
@@ -104,11 +113,11 @@ def threshold_allocate(importance: torch.Tensor, budget: torch.Tensor | int, dis
     a = importance.detach().to(torch.float64)
     lead = a.shape[:-1]
     n = a.shape[-1]
-    a = a.reshape(-1, n)
-    rows = a.shape[0]
+    rows = math.prod(lead)
+    a = a.reshape(rows, n)
     if not torch.isfinite(a).all() or (a < 0).any():
         raise BudgetError("importances must be finite and >= 0")
-    v = torch.ones_like(a, dtype=torch.bool) if valid is None else valid.reshape(-1, n).to(a.device)
+    v = torch.ones_like(a, dtype=torch.bool) if valid is None else valid.reshape(rows, n).to(a.device)
     bud = torch.as_tensor(budget, dtype=torch.int64, device=a.device).expand(lead).reshape(-1)
     n_valid = v.sum(1)
     rest = bud - min_depth * n_valid

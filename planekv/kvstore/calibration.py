@@ -95,9 +95,12 @@ class Calibration:
             **{name: getattr(self, name) for name in _TENSORS},
         }
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calib-")
-        os.close(fd)
         try:
-            torch.save(payload, tmp)
+            # Saved through a file object: torch names the archive's records after a *path*'s stem (a
+            # random temp name here, so the bytes would differ per save; a bare ".calib-x" is even
+            # rejected), but "archive" for a file object, so equal statistics give equal bytes.
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -118,8 +121,19 @@ class Calibration:
         if data.get("version") != CALIBRATION_VERSION:
             raise CalibrationError(
                 f"{path} has calibration version {data.get('version')}; this build reads {CALIBRATION_VERSION}")
-        calib = cls(**{name: data[name] for name in _TENSORS}, seed_k=int(data["seed_k"]),
-                    seed_v=int(data["seed_v"]), meta=json.loads(data["meta_json"]))
+        missing = [k for k in (*_TENSORS, "seed_k", "seed_v", "meta_json", "calibration_id") if k not in data]
+        if missing:
+            raise CalibrationError(f"{path} lacks the fields {missing}")
+        try:
+            if not all(isinstance(data[name], torch.Tensor) for name in _TENSORS):
+                raise TypeError("statistics must be tensors")
+            meta = json.loads(data["meta_json"])
+            if not isinstance(meta, dict):
+                raise TypeError("meta_json must hold an object")
+            calib = cls(**{name: data[name] for name in _TENSORS}, seed_k=int(data["seed_k"]),
+                        seed_v=int(data["seed_v"]), meta=meta)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CalibrationError(f"{path} holds malformed fields: {exc}") from exc
         if calib.calibration_id != data["calibration_id"]:
             raise CalibrationError(f"{path}: statistics do not match the recorded calibration id")
         return calib

@@ -77,13 +77,12 @@ class ReadPolicy:
         Clamped to what is stored (d*W and T*W); raises BudgetError below the minimum depths.
         """
         t, d, w = n_tokens, head_dim, self.width
+        bk = self.key_budget(d)
         if self.rate is None:
-            bk, bv = int(self.budget_k), int(self.budget_v)  # type: ignore[arg-type]
+            bv = int(self.budget_v)  # type: ignore[arg-type]
         else:
-            bk = int(round(2 * d * self.rate * self.k_share))
-            bk = min(bk, d * w)
             bv = int(math.floor((2 * t * d * self.rate - t * bk) / d + 1e-9))
-        bk, bv = min(bk, d * w), min(bv, t * w)
+        bv = min(bv, t * w)
         if bk < self.min_depth_k * d:
             raise BudgetError(
                 f"Key budget {bk} is below the minimum depth {self.min_depth_k} x {d} channels")
@@ -91,6 +90,14 @@ class ReadPolicy:
             raise BudgetError(
                 f"Value budget {bv} is below the minimum depth {self.min_depth_v} x {t} tokens")
         return bk, bv
+
+    def key_budget(self, head_dim: int) -> int:
+        """B_K per KV head (independent of T), clamped to d * W."""
+        if self.rate is None:
+            bk = int(self.budget_k)  # type: ignore[arg-type]
+        else:
+            bk = int(round(2 * head_dim * self.rate * self.k_share))
+        return min(bk, head_dim * self.width)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,136 @@
+"""Compile the Triton kernels for sm_90a on a machine without a GPU and report SASS statistics.
+
+    python benchmarks/tools/compile_check.py [--sass-dir DIR]
+
+Catches compile errors before device time is spent and shows registers, spills and shared memory
+per kernel and configuration (ptxas -v) plus the instruction mix of each kernel's SASS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from planekv.kernels import decode as K
+from planekv.kernels import encode as E
+from planekv.kernels import fp8 as F
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_one(fn, sig: dict[str, str], consts: dict, num_warps: int = 4, sass_dir: str | None = None, tag: str = ""):
+    full = dict(sig)
+    for k in consts:
+        full[k] = "constexpr"
+    k = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=TARGET,
+                       options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        open(ptx, "w").write(k.asm["ptx"])
+        cubin = os.path.join(tmp, "k.cubin")
+        res = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+                             capture_output=True, text=True)
+        info = " ".join(line.split("info    :")[-1].strip() for line in res.stderr.splitlines()
+                        if "Used" in line or "spill" in line)
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True).stdout
+    pat = r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)"
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(pat, sass))
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        open(os.path.join(sass_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fn.__name__}{tag}") + ".sass"), "w").write(sass)
+    print(f"{fn.__name__}{tag}: {info}; smem {k.metadata.shared} B; top ops {ops.most_common(8)}")
+
+
+P32, PI = "*i32", "*fp32"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sass-dir")
+    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--geometries", default="32/8/128,9/3/64,4/1/256")
+    ap.add_argument("--only", default="", help="comma-separated kernel names")
+    args = ap.parse_args()
+    sd, nw = args.sass_dir, args.num_warps
+    only = set(filter(None, args.only.split(",")))
+
+    def want(fn) -> bool:
+        return not only or fn.__name__ in only
+
+    for geo in args.geometries.split(","):
+        hq, hk, d = map(int, geo.split("/"))
+        g = hq // hk
+        gp = max(16, g)
+        g2 = 1 << max(0, (g - 1).bit_length())
+        tag = f"[{hq}/{hk}/d{d}]"
+        for name, hg, ks_k, min_k, ks_v, min_v, pk, fixed in (("flex", hk, 8, 0, 8, 0, 1, 0),
+                                                               ("cons", 1, 7, 1, 3, 1, 2, 0),
+                                                               ("full4", 1, 4, 4, 4, 4, 1, 4)):
+            t = f"{tag}{name}"
+            hgp = 1 << max(0, (hg - 1).bit_length())
+            kspk = 1 << max(0, (ks_k - 1).bit_length())
+            kspv = 1 << max(0, (ks_v - 1).bit_length())
+            if want(K._prep):
+                compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16", wlo_ptr="*fp16",
+                                          base_ptr=PI, kdep_ptr=P32, hist_ptr=P32, count_k="i32"),
+                            dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp),
+                            num_warps=4, sass_dir=sd, tag=t)
+            if name != "cons" and want(K._key_stage):
+                compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
+                                               wlo_ptr="*fp16", base_ptr=PI, tab_ptr=P32, spread_ptr="*i64",
+                                               logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32",
+                                               TMAX="i32"),
+                            dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
+                            sass_dir=sd, tag=t)
+            vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
+            if not fixed:
+                if want(K._value_hist):
+                    compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, r_ptr=PI,
+                                                    vimp_ptr=PI, hist_ptr=P32, TMAX="i32", NSK="i32"),
+                                dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v, KS_PAD=kspv),
+                                num_warps=nw, sass_dir=sd, tag=t)
+                for pas in (2, 3):
+                    if want(K._value_radix):
+                        compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, TMAX="i32",
+                                                         RATE="fp64", BK="i32", BV_FIXED="i32"),
+                                    dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, **vc), num_warps=nw, sass_dir=sd,
+                                    tag=f"{t}p{pas}")
+                if want(K._value_ties):
+                    compile_one(K._value_ties, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
+                                                    TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
+                                dict(USE_RATE=True, HKV=hk, HG=hg, **vc), num_warps=nw, sass_dir=sd, tag=t)
+            if want(K._value_stage):
+                compile_one(K._value_stage, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
+                                                 sstat_ptr=PI, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
+                                                 tab_ptr=P32, spread_ptr="*i64", vdep_ptr="*i8", part_ptr=PI,
+                                                 SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64", BK="i32",
+                                                 BV_FIXED="i32"),
+                            dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
+                                 NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, **vc),
+                            num_warps=nw, sass_dir=sd, tag=t)
+        if want(K._combine):
+            compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)
+        if want(E._encode_append):
+            compile_one(E._encode_append, dict(k_ptr=PI, v_ptr=PI, kw_ptr=P32, vw_ptr=P32, pt_ptr=P32, start_ptr=P32,
+                                               muk_ptr=PI, sigk_ptr=PI, muv_ptr=PI, sigv_ptr=PI, heap_ptr=PI,
+                                               n_new="i32", SLOTS="i32"),
+                        dict(HKV=hk, D=d, W=8, P=64, BT=32), num_warps=8, sass_dir=sd, tag=tag)
+        if want(F._fp8_stage1):
+            compile_one(F._fp8_stage1, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr=PI, vs_ptr=PI,
+                                            len_ptr=P32, m_ptr=PI, s_ptr=PI, acc_ptr=PI, scale="fp32", TMAX="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, NSPLIT=3, BT=64), sass_dir=sd, tag=tag)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Decode-attention benchmark: every system in one harness, timed beside torch SDPA in the same run.
+
+For each shape: synthetic K/V (Gaussian with large-offset outlier channels in K, queries built from a
+few keys, logits scaled to a standard deviation of 2.5) are encoded on the device with the Triton
+encode kernel; each system's step is captured in a CUDA graph and replayed, rotating over several
+input sets when one set would fit in L2. Reported per system: median step time, the ratio to SDPA,
+logical bits (what the read requested), physical bytes counted from the layout (32-byte sectors
+touched, workspace written and read back, output), achieved bandwidth. With ``check=True`` the
+Triton reader is first compared with the reference reader at full size (same depths, output error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..kvstore import Codec, FormatSpec, PlaneKVCache, ReadPolicy, calibrate
+from ..kvstore.reference import readkv_rows
+from .encode import Encoder
+from .fp8 import FP8Decode, quantize_fp8
+from .reader import Plan, TritonReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    tokens: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "b32-t32k": Shape("b32-t32k", 32, 32768, 32, 8, 128),
+    "b1-t8k": Shape("b1-t8k", 1, 8192, 32, 8, 128),
+    "smollm2-b32-t8k": Shape("smollm2-b32-t8k", 32, 8192, 9, 3, 64),
+    "d256-b32-t32k": Shape("d256-b32-t32k", 32, 32768, 4, 1, 256),
+}
+
+SYSTEMS = ("sdpa", "fp8", "full4", "readkv-flex-r4", "readkv-flex-r2", "readkv-cons-r4", "readkv-cons-r2")
+
+
+@dataclass
+class Row:
+    shape: str
+    system: str
+    median_ms: float
+    ratio_to_sdpa: float | None
+    logical_bits_per_scalar: float
+    logical_bytes: float
+    physical_bytes: float
+    physical_over_logical: float
+    bandwidth_tbs: float
+    check: dict[str, Any] = field(default_factory=dict)
+
+
+def _policy(system: str, k_share: float) -> ReadPolicy | None:
+    return {
+        "readkv-flex-r4": ReadPolicy.flexible(4.0, k_share),
+        "readkv-flex-r2": ReadPolicy.flexible(2.0, k_share),
+        "readkv-cons-r4": ReadPolicy.constrained(4.0),
+        "readkv-cons-r2": ReadPolicy.constrained(2.0),
+    }.get(system)
+
+
+@dataclass
+class _Data:
+    spec: FormatSpec
+    codec: Codec
+    q: torch.Tensor  # [B, Hq, d] fp16
+    k: torch.Tensor  # [B, Hkv, T, d] fp16
+    v: torch.Tensor
+    cache: PlaneKVCache
+    page_table: torch.Tensor  # [B, Hkv, slots] int32 (device)
+    lengths: torch.Tensor  # [B] int32 (device)
+
+
+def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Codec] | None) -> _Data:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
+    gen0 = torch.Generator().manual_seed(1000 + d + hk)  # distribution parameters: fixed per geometry
+    k_scale = torch.ones(hk, 1, d)
+    k_off = 0.5 * torch.randn(hk, 1, d, generator=gen0)
+    idx = torch.randperm(d, generator=gen0)[:4]
+    k_scale[..., idx] = 2.0
+    k_off[..., idx] = 8.0 * torch.sign(torch.randn(hk, 1, 4, generator=gen0))
+    v_scale = 1 + 0.5 * torch.rand(hk, 1, d, generator=gen0)
+    k_scale, k_off, v_scale = k_scale.to(dev), k_off.to(dev), v_scale.to(dev)
+    k = (torch.randn(b, hk, t, d, device=dev, generator=g) * k_scale + k_off).half()
+    v = (torch.randn(b, hk, t, d, device=dev, generator=g) * v_scale).half()
+    if calib is None:
+        n_cal = min(t, 4096)
+        spec0 = FormatSpec(model_id=f"bench-{shape.name}", n_layers=1, n_q_heads=hq, n_kv_heads=hk, head_dim=d,
+                           calibration_id="-")
+        cal = calibrate(k[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
+                        v[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
+                        spec0.seed_k, spec0.seed_v)
+        spec = dataclasses.replace(spec0, calibration_id=cal.calibration_id)
+        codec = Codec(spec, cal)
+    else:
+        spec, codec = calib
+    # Queries: a noisy mix of three keys of the group, logits scaled to a std of 2.5.
+    gq = hq // hk
+    pick = torch.randint(0, t, (b, hk, gq, 3), device=dev, generator=g)
+    kk = torch.gather(k.float(), 2, pick.reshape(b, hk, -1, 1).expand(-1, -1, -1, d)).reshape(b, hk, gq, 3, d)
+    q = kk.mean(3) + 0.5 * torch.randn(b, hk, gq, d, device=dev, generator=g)
+    lg = (q @ k.float().transpose(2, 3)) / math.sqrt(d)
+    q = (q * (2.5 / lg.std(-1, keepdim=True))).reshape(b, hq, d).half()
+    n_pages = math.ceil(t / spec.page_size)
+    cache = PlaneKVCache(spec, b, device=dev, initial_pages=b * hk * n_pages)
+    Encoder(codec).append(cache, 0, k, v)
+    pt = cache.page_table.to(device=dev, dtype=torch.int32).contiguous()
+    lengths = torch.full((b,), t, dtype=torch.int32, device=dev)
+    return _Data(spec, codec, q, k, v, cache, pt, lengths)
+
+
+def _time_graphs(steps: list[Callable[[], Any]], reps: int) -> float:
+    """Capture each step in a CUDA graph; replay round-robin; median ms of single replays.
+
+    Off the GPU (Triton's interpreter, for plumbing checks) each step runs once on the host clock."""
+    if not torch.cuda.is_available():
+        times = []
+        for f in steps:
+            t0 = time.perf_counter()
+            f()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in steps:
+            for _ in range(2):
+                f()  # warm up: compile, autotune, allocate
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for f in steps:
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            f()
+        graphs.append(gr)
+    for gr in graphs:
+        gr.replay()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        gr = graphs[i % len(graphs)]
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        gr.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _sector_bytes_k(kdep: torch.Tensor, lengths: torch.Tensor, page: int) -> float:
+    """K words touched: per page and plane j, every 32-byte sector (32*8/page channels) holding a
+    channel with depth > j. kdep [B, Hkv, d]."""
+    row = page // 8
+    per_sector = max(1, 32 // row)
+    b, hk, d = kdep.shape
+    grp = kdep.reshape(b, hk, d // per_sector, per_sector).amax(-1)  # [B, Hkv, sectors]
+    pages = torch.ceil(lengths.double() / page)  # [B]
+    return float((grp.sum((1, 2)).double() * pages).sum()) * 32
+
+
+def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int) -> float:
+    """V rows touched: per plane, every 32-byte sector (256/d rows) holding a token with depth > j."""
+    row = d // 8
+    per_sector = max(1, 32 // row)
+    b, hk, t = vdep.shape
+    mask = torch.arange(t, device=vdep.device)[None, None, :] < lengths.to(vdep.device)[:, None, None]
+    dep = vdep.long() * mask
+    pad = -t % per_sector
+    if pad:
+        dep = torch.nn.functional.pad(dep, (0, pad))
+    dep = dep.reshape(b, hk, -1, per_sector).amax(-1)
+    return float(dep.sum()) * max(32, row)
+
+
+def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, spec: FormatSpec) -> float:
+    b, hq, hk, d = plan.batch, spec.n_q_heads, spec.n_kv_heads, spec.head_dim
+    kdep = plan.kdep
+    vdep = plan.vdep if not reader.fixed_depth else torch.full_like(plan.vdep, reader.fixed_depth)
+    data = _sector_bytes_k(kdep, lengths, spec.page_size) + _sector_bytes_v(vdep, lengths, d)
+    n = float(lengths.double().sum())  # tokens over the batch
+    logits = 4.0 * hq * n
+    if reader.fixed_depth:
+        ws = logits * 2  # written by the Key stage, read by the Value stage
+    else:
+        ws = logits * 3 + 4.0 * hk * n * 5 + 1.0 * hk * n  # logits w+2r; vimp w+4r; vdep w
+    out = 4.0 * b * hq * d * 2 + 4.0 * b * hq * plan.n_blocks * d * 2
+    return data + ws + out
+
+
+def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
+              k_share: float = 0.5, seed: int = 0, num_warps: int = 4,
+              progress: Callable[[str], None] | None = None) -> list[Row]:
+    from ._dispatch import interpreting
+
+    if not torch.cuda.is_available() and not interpreting():
+        raise RuntimeError("the attention benchmark times CUDA graphs: it needs a CUDA device "
+                           "(or TRITON_INTERPRET=1 for a plumbing run on CPU, with no meaningful times)")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    systems = list(systems or SYSTEMS)
+    say = progress or (lambda s: log.info(s))
+    rows: list[Row] = []
+    for name in shapes:
+        shape = SHAPES[name] if isinstance(name, str) else name
+        t0 = time.perf_counter()
+        b, t, _hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
+        bytes_fp16 = 2.0 * b * hk * t * d * 2
+        n_sets = max(1, min(4, math.ceil(3 * 60e6 / bytes_fp16)))  # rotate when one set fits in L2
+        sets = [_gen(shape, dev, seed, None)]
+        for i in range(1, n_sets):
+            sets.append(_gen(shape, dev, seed + i, (sets[0].spec, sets[0].codec)))
+        say(f"{name}: data ready in {time.perf_counter() - t0:.1f} s ({n_sets} input sets)")
+        codec = sets[0].codec
+        scalars = 2.0 * b * hk * t * d
+        sdpa_ms = None
+        for system in systems:
+            try:
+                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps)
+            except Exception as exc:  # keep going: one call should report every system
+                log.exception("%s / %s failed", name, system)
+                say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
+                continue
+            if system == "sdpa":
+                sdpa_ms = row.median_ms
+            row.ratio_to_sdpa = None if sdpa_ms is None else row.median_ms / sdpa_ms
+            rows.append(row)
+            say(f"{name} / {system}: {row.median_ms:.4f} ms, x{row.ratio_to_sdpa or float('nan'):.3f} SDPA, "
+                f"{row.logical_bits_per_scalar:.2f} bits, phys/logical {row.physical_over_logical:.2f}, "
+                f"{row.bandwidth_tbs:.2f} TB/s {row.check}")
+        del sets
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float,
+         scalars: float, bytes_fp16: float, num_warps: int = 4) -> Row:
+    b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
+    dev = sets[0].q.device
+    info: dict[str, Any] = {}
+    if system == "sdpa":
+        qs = [s.q[:, :, None, :] for s in sets]
+        steps = [lambda s=s, q=q: torch.nn.functional.scaled_dot_product_attention(q, s.k, s.v, enable_gqa=True)
+                 for s, q in zip(sets, qs, strict=False)]
+        ms = _time_graphs(steps, reps)
+        return Row(shape.name, system, ms, None, 16.0, bytes_fp16, bytes_fp16 + 2.0 * b * hq * d * 2, 1.0,
+                   (bytes_fp16 + 4.0 * b * hq * d) / ms / 1e9, info)
+    if system == "fp8":
+        f = FP8Decode(hq, hk, d)
+        plan = f.plan(b, t, dev)
+        qd = [(s, *quantize_fp8(s.k), *quantize_fp8(s.v)) for s in sets]
+        if check:
+            out = f.run(plan, sets[0].q, qd[0][1], qd[0][3], qd[0][2], qd[0][4], sets[0].lengths).clone()
+            kk = qd[0][1].float() * qd[0][2][None, :, None, None]
+            vv = qd[0][3].float() * qd[0][4][None, :, None, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(sets[0].q.float()[:, :, None], kk, vv,
+                                                                  enable_gqa=True)[:, :, 0]
+            info["rel_err_vs_fp32_sdpa_on_dequant"] = float((out - ref).norm() / ref.norm())
+        steps = [lambda x=x: f.run(plan, x[0].q, x[1], x[3], x[2], x[4], x[0].lengths) for x in qd]
+        ms = _time_graphs(steps, reps)
+        phys = bytes_fp16 / 2 + 4.0 * b * hq * plan["S"] * (d + 2) * 2
+        return Row(shape.name, system, ms, None, 8.0, bytes_fp16 / 2, phys, phys / (bytes_fp16 / 2),
+                   phys / ms / 1e9, info)
+    if system == "full4":
+        reader = TritonReader(codec, fixed_depth=4, num_warps=num_warps)
+    else:
+        pol = _policy(system, k_share)
+        if pol is None:
+            raise ValueError(f"unknown system {system}")
+        reader = TritonReader(codec, pol, num_warps=num_warps)
+    plan = reader.plan(b, t, dev)
+    s0 = sets[0]
+    if check:
+        info.update(_check(reader, plan, s0, codec))
+    steps = [lambda s=s: reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0)
+             for s in sets]
+    ms = _time_graphs(steps, reps)
+    if dev.type == "cuda":
+        info["stages_ms"] = _stage_times(reader, plan, s0, reps=10)
+    reader.run(plan, s0.q, s0.cache.k_pool[0], s0.cache.v_pool[0], s0.page_table, s0.lengths, 0)
+    _sync(dev)
+    st = reader.stats(plan, s0.lengths)
+    logical_bits = float(st.total_bits.sum())
+    phys = _readkv_physical(plan, reader, s0.lengths, s0.spec)
+    return Row(shape.name, system, ms, None, logical_bits / scalars, logical_bits / 8, phys,
+               phys / (logical_bits / 8), phys / ms / 1e9, info)
+
+
+def _stage_times(reader: TritonReader, plan: Plan, s: _Data, reps: int) -> dict[str, float]:
+    """Median time of each launch of the step (CUDA events between launches, no graph)."""
+    per: dict[str, list[float]] = {}
+    for _ in range(reps):
+        marks: list = []
+        reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0, marks=marks)
+        torch.cuda.synchronize()
+        for (_, e0), (name, e1) in zip(marks[:-1], marks[1:], strict=False):
+            per.setdefault(name, []).append(e0.elapsed_time(e1))
+    return {k: round(statistics.median(v), 4) for k, v in per.items()}
+
+
+def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int = 2) -> dict[str, Any]:
+    """Triton reader vs the reference reader (torch, same device) on the first sequences."""
+    out = reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0).clone()
+    _sync(out.device)
+    errs, kmis, vmis = [], 0, 0
+    pol = reader.policy
+    for bi in range(min(n_seq, s.q.shape[0])):
+        t = int(s.lengths[bi])
+        kc = s.cache.read_k(0, bi, 8)
+        vc = s.cache.read_v(0, bi, 8)
+        if reader.fixed_depth:
+            kk = codec.decode(kc, reader.fixed_depth, 0, "k")
+            vv = codec.decode(vc, reader.fixed_depth, 0, "v")
+            from ..kvstore.reference import attention
+
+            ref = attention(s.q[bi].float()[:, None], kk, vv, torch.tensor([t]))[:, 0]
+        else:
+            ref, st = readkv_rows(s.q[bi].float()[:, None], kc, vc, codec, 0, pol, torch.tensor([t]))
+            ref = ref[:, 0]
+            kmis += int((st.k_depths[0].to(plan.kdep.device) != plan.kdep[bi]).sum())
+            vmis += int((st.v_depths[0].to(plan.vdep.device) != plan.vdep[bi, :, :t].long()).sum())
+        errs.append(float((out[bi] - ref).norm() / ref.norm()))
+    return {"rel_err": max(errs), "k_depth_mismatch": kmis, "v_depth_mismatch": vmis, "checked_seqs": len(errs)}
+
+
+def rows_to_json(rows: list[Row], path: str, meta: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("| shape | system | median ms | x SDPA | logical bits/scalar | physical / logical | TB/s | check |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        chk = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.check.items())
+        ratio = "" if r.ratio_to_sdpa is None else f"{r.ratio_to_sdpa:.3f}"
+        lines.append(f"| {r.shape} | {r.system} | {r.median_ms:.4f} | {ratio} | {r.logical_bits_per_scalar:.2f} | "
+                     f"{r.physical_over_logical:.2f} | {r.bandwidth_tbs:.2f} | {chk} |")
+    return head + "\n".join(lines)

@@ -1,0 +1,46 @@
+"""`planekv bench attention`: the decode-attention benchmark (see planekv.kernels.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+
+from rich.console import Console
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import SHAPES, SYSTEMS, format_table, rows_to_json, run_bench
+
+    console = Console(width=max(140, Console().width))
+    shapes = args.shapes or list(SHAPES)
+    rows = run_bench(shapes, args.systems or list(SYSTEMS), reps=args.reps, check=not args.no_check,
+                     k_share=args.k_share, num_warps=args.num_warps,
+                     progress=lambda s: console.print(f"[dim]{s}[/dim]"))
+    table = format_table(rows)
+    console.print(table)
+    if args.json:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": dev,
+                "torch": torch.__version__, "host": platform.node(), "args": vars(args) | {"func": None}}
+        rows_to_json(rows, args.json, meta)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from .bench import SHAPES, SYSTEMS
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    a = bsub.add_parser("attention", help="decode attention: every system beside torch SDPA, CUDA-graph timed")
+    a.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: all")
+    a.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
+    a.add_argument("--reps", type=int, default=30, help="graph replays per system (median)")
+    a.add_argument("--k-share", type=float, default=0.5, help="flexible reader's K share of the bits")
+    a.add_argument("--num-warps", type=int, default=4, help="warps per program of the Key and Value stages")
+    a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")
+    a.add_argument("--json", help="write rows and metadata here")
+    a.set_defaults(func=_bench_attention)

@@ -1,0 +1,476 @@
+"""Triton kernels of the two-stage decode read (DESIGN section 1, steps 5-8), layout version 1.
+
+One decode step of one layer is a fixed launch sequence (see reader.TritonReader.run):
+
+  q~ = q M_K^T (torch)               transform the queries
+  _prep          grid (groups,)      Key importance, channel depths (threshold search in registers),
+                                     w = q~ sigma_K split into fp16 hi/lo, base = q~ . mu_K;
+                                     zeroes this group's radix histograms
+  _key_stage     grid (B*Hkv, NSK)   PPK pages each: Key planes at the channel depths -> logits, a
+                                     softmax max/sum per program; the whole GQA group per program
+  _value_hist    grid (B*Hkv, NBLK)  BLK tokens each: global softmax stats, Value importance
+                                     b_i = sum_g p_gi^2, radix pass 1 (top 8 bits of every gain)
+  _value_radix   (3 times)           radix passes 2-4 (8 bits each) -> exact lambda
+  _value_ties                        ties at lambda counted per block and step
+  _value_stage   grid (B*Hkv, NBLK)  token depths from lambda (ties in (step, item) order), Value
+                                     planes at those depths, p-weighted sums per block
+  _combine       grid (B*Hkv,)       sum over blocks, mu_V + sigma_V * acc
+  out = out~ M_V (torch)             inverse transform
+
+A group is the set of items whose budget is pooled: a sequence (flexible reader: all its KV heads)
+or a (sequence, KV head) pair (per-head budgets).
+
+Decoding: a plane's bits of 8 consecutive elements are one byte; SPREAD[byte] (an int64 table)
+moves bit k to bit 8k, so a plane adds 8 code bits with one table read, a shift and an OR. The
+reconstruction table holds L_t[code] as fp16 hi and lo halves in one int32, and every dot is three
+fp16 MMAs (hi*hi + hi*lo + lo*hi), float32-accurate.
+
+Exactness: the allocation follows planekv.kvstore.allocate's total order (gain, then step, then
+item) with gains in float32 (the reference uses float64), so depths can differ from the reference
+only for gains within float32 rounding of lambda.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NBINS = tl.constexpr(256)  # radix digits of 8 bits: tl.histogram costs O(keys x bins)
+NPASS = tl.constexpr(4)  # bits 30..23, 22..15, 14..7, 6..0 of a non-negative float32
+HIST_STRIDE = 256 * 4  # int32 histogram words per group
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _load_scalar(ptr):
+    """A scalar load that is 0-d in both the compiler and the interpreter (which returns [1])."""
+    return tl.sum(tl.load(ptr + tl.arange(0, 1)), 0)
+
+
+@triton.jit
+def _v_count(T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+             HG: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr, KS: tl.constexpr):
+    """Value steps to take for a group: min((B_V - m n) // p, K n), with B_V as ReadPolicy.budgets."""
+    if USE_RATE:
+        tf = T.to(tl.float64)
+        bv = tl.floor((2.0 * tf * D * RATE - tf * BK) / D + 1e-9).to(tl.int32)
+    else:
+        bv = BV_FIXED + T * 0
+    bv = tl.minimum(bv, T * W) * HG
+    n = HG * T
+    cnt = (bv - MIN_V * n) // PACKET
+    cnt = tl.maximum(tl.minimum(cnt, KS * n), 0)
+    return cnt
+
+
+@triton.jit
+def _select_digit(hist_ptr, NB: tl.constexpr, need):
+    """Digit D of the need-th largest key given a histogram of that digit (keys that matched the
+    prefix so far), and how many keys of digit D are still to be taken."""
+    idx = tl.arange(0, NB)
+    h = tl.load(hist_ptr + idx)
+    total = tl.sum(h, 0)
+    ge = total - tl.cumsum(h, 0) + h  # keys with digit >= idx
+    dsel = tl.max(tl.where(ge >= need, idx, -1), 0)
+    above = tl.sum(tl.where(idx > dsel, h, 0), 0)
+    return dsel, need - above
+
+
+@triton.jit
+def _prefix(hist_ptr, count, upto: tl.constexpr):
+    """Digits chosen by passes 1..upto (as one value aligned at bit _shift(upto)) and the keys
+    still to take among those that match them."""
+    pref = count * 0
+    rem = count
+    for pas in tl.static_range(1, upto + 1):
+        dsel, rem = _select_digit(hist_ptr + (pas - 1) * NBINS, NBINS, rem)
+        if pas < 4:
+            pref = (pref << 8) | dsel
+        else:
+            pref = (pref << 7) | dsel
+    return pref, rem
+
+
+@triton.jit
+def _lambda(hist_ptr, count):
+    """Exact lambda (float32 bit pattern) and the number of keys equal to it to take."""
+    return _prefix(hist_ptr, count, 4)
+
+
+@triton.jit
+def _group_of(pid_bh, HKV: tl.constexpr, HG: tl.constexpr):
+    """(group index, head index inside the group) of program row b*HKV + h."""
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    return b * (HKV // HG) + h // HG, h % HG
+
+
+# ----------------------------------------------------------------------------- decoding helpers
+
+
+@triton.jit
+def _codes_from_bytes(c64, byte, spread_ptr, msk, j: tl.constexpr, W: tl.constexpr):
+    """Add plane j to 8 codes packed per int64: ``byte`` holds the plane's bits of 8 consecutive
+    elements; SPREAD[byte] moves bit k to bit 8k, so one table read places 8 bits at once."""
+    sp = tl.load(spread_ptr + byte, mask=msk, other=0)
+    return c64 | (sp << (W - 1 - j))
+
+
+@triton.jit
+def _hi_lo(zz):
+    """int32 words holding (fp16 hi | fp16 lo << 16) -> two fp16 tensors."""
+    hi = (zz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    lo = ((zz >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def _split16(x):
+    """float32 -> (hi, lo) fp16 with hi + lo = x to about 2^-22 relative."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+# ----------------------------------------------------------------------------- Key allocation
+
+
+@triton.jit
+def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, hist_ptr, count_k,
+          HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+          KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr):
+    """One program per allocation group: HG KV heads of one sequence, N = HG * D channels."""
+    pid = tl.program_id(0)
+    n_groups_b: tl.constexpr = HKV // HG
+    b = pid // n_groups_b
+    h0 = (pid % n_groups_b) * HG
+    N: tl.constexpr = HG_PAD * D
+    hh = tl.arange(0, HG_PAD)
+    cc = tl.arange(0, D)
+    hvalid = hh < HG
+    # importance a[h, c] = sum_g (q~_{hG+g, c} sigma_{h, c})^2 ; also w = q~ sigma and base per query head
+    sig = tl.load(sig_ptr + (h0 + hh[:, None]) * D + cc[None, :], mask=hvalid[:, None], other=0.0)
+    mu = tl.load(mu_ptr + (h0 + hh[:, None]) * D + cc[None, :], mask=hvalid[:, None], other=0.0)
+    a = tl.zeros([HG_PAD, D], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qrow = (b * HQ + (h0 + hh) * G + g)[:, None] * D + cc[None, :]
+        qt = tl.load(qt_ptr + qrow, mask=hvalid[:, None], other=0.0)
+        w = qt * sig
+        a += w * w
+        w_hi, w_lo = _split16(w)
+        tl.store(whi_ptr + qrow, w_hi, mask=hvalid[:, None])
+        tl.store(wlo_ptr + qrow, w_lo, mask=hvalid[:, None])
+        tl.store(base_ptr + b * HQ + (h0 + hh) * G + g, tl.sum(qt * mu, 1), mask=hvalid)
+    af = tl.reshape(a, [N])
+    valid = tl.reshape(hvalid[:, None] & (cc[None, :] >= 0), [N])
+    kk = tl.arange(0, KS_PAD)
+    r = tl.load(r_ptr + kk, mask=kk < KS, other=0.0)
+    prio = af[None, :] * r[:, None]  # [KS_PAD, N], step-major
+    ok = (kk[:, None] < KS) & valid[None, :]
+    key = tl.where(ok, prio.to(tl.int32, bitcast=True), -1)
+    # Smallest lambda (bit pattern) with #(key > lambda) < count: bisection over 31 bits.
+    lo = tl.zeros([], dtype=tl.int32) - 1
+    hi = tl.zeros([], dtype=tl.int32) + 0x7F800000
+    for _ in range(32):
+        live = hi - lo > 1
+        mid = lo + (hi - lo) // 2
+        less = tl.sum(tl.sum((key > mid).to(tl.int32), 1), 0) < count_k
+        hi, lo = tl.where(live & less, mid, hi), tl.where(live & ~less, mid, lo)
+    lam = tl.where(count_k > 0, hi, 0x7FFFFFFF)
+    strict = key > lam
+    need = count_k - tl.sum(tl.sum(strict.to(tl.int32), 1), 0)
+    tie = (key == lam).to(tl.int32)
+    order = tl.reshape(tl.cumsum(tl.reshape(tie, [KS_PAD * N]), 0), [KS_PAD, N])
+    take = strict | ((tie > 0) & (order <= need))
+    depth = MIN_K + tl.sum(take.to(tl.int32), 0)  # [N]
+    dep2 = tl.reshape(depth, [HG_PAD, D])
+    tl.store(kdep_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]), dep2, mask=hvalid[:, None])
+    # this group's radix histograms start at zero every step
+    zi = tl.arange(0, NBINS * NPASS)
+    tl.store(hist_ptr + pid * (NBINS * NPASS) + zi, tl.zeros([NBINS * NPASS], tl.int32))
+
+
+# ----------------------------------------------------------------------------- Key stage
+
+
+@triton.jit
+def _key_stage(kw_ptr, pt_ptr, len_ptr, kdep_ptr, whi_ptr, wlo_ptr, base_ptr, tab_ptr, spread_ptr, logit_ptr,
+               mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
+               HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+               D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, PPK: tl.constexpr):
+    """Program (b*Hkv + h, split): PPK pages of one (sequence, KV head). Per 32-token word: for every
+    plane below a channel's depth, one word load per channel and one SPREAD read per 8 tokens build
+    the codes; one packed-table read per element gives z = L_t[code] as fp16 hi/lo; three fp16 MMAs
+    (hi*hi + hi*lo + lo*hi) give float32-accurate logits for the whole GQA group."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    T = _load_scalar(len_ptr + b)
+    n_pages = tl.cdiv(T, P)
+    p0 = split * PPK
+    p1 = tl.minimum(p0 + PPK, n_pages)
+    NW: tl.constexpr = P // 32
+    NCODE: tl.constexpr = 1 << W
+    NSPLIT = tl.num_programs(1)
+    cc = tl.arange(0, D)
+    gg = tl.arange(0, G_PAD)
+    tok = tl.arange(0, 32)
+    gvalid = gg < G
+    tdep = tl.load(kdep_ptr + pid_bh * D + cc)  # [D]
+    t_max = tl.max(tdep, 0)
+    wrow = (b * HQ + h * G + gg[None, :]) * D + cc[:, None]  # [D, G_PAD]
+    w_hi = tl.load(whi_ptr + wrow, mask=gvalid[None, :], other=0.0)
+    w_lo = tl.load(wlo_ptr + wrow, mask=gvalid[None, :], other=0.0)
+    base = tl.load(base_ptr + b * HQ + h * G + gg, mask=gvalid, other=0.0)
+    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+    s_run = tl.zeros([G_PAD], tl.float32)
+    for pg in range(p0, p1):
+        page = tl.load(pt_ptr + pid_bh * SLOTS + pg).to(tl.int64)
+        for half in tl.static_range(NW):
+            codes = tl.zeros([32, D], dtype=tl.int32)
+            for j in tl.static_range(W):
+                if j < t_max:  # uniform branch: planes no channel of this head reads cost nothing
+                    wv = tl.load(kw_ptr + ((page * W + j) * D + cc) * NW + half, mask=tdep > j, other=0)  # [D]
+                    codes = codes | (((wv[None, :] >> tok[:, None]) & 1) << (W - 1 - j))
+            z_hi, z_lo = _hi_lo(tl.load(tab_ptr + tdep[None, :] * NCODE + codes))  # [32, D]
+            lg = tl.dot(z_hi, w_hi)
+            lg = tl.dot(z_hi, w_lo, lg)
+            lg = tl.dot(z_lo, w_hi, lg)  # [32, G_PAD]
+            lg = tl.trans(lg)  # [G_PAD, 32]
+            pos = pg * P + half * 32 + tok
+            lg = (lg + base[:, None]) * scale
+            lg = tl.where(pos[None, :] < T, lg, float("-inf"))
+            tl.store(logit_ptr + (b * HQ + h * G + gg[:, None]) * TMAX + pos[None, :], lg,
+                     mask=gvalid[:, None] & (pos[None, :] < T))
+            m_new = tl.maximum(m_run, tl.max(lg, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
+            m_run = m_new
+    sidx = (b * HQ + h * G + gg) * NSPLIT + split
+    tl.store(mstat_ptr + sidx, m_run, mask=gvalid)
+    tl.store(sstat_ptr + sidx, s_run, mask=gvalid)
+
+
+# ----------------------------------------------------------------------------- Value allocation
+
+
+@triton.jit
+def _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
+                   NSK_PAD: tl.constexpr):
+    gg = tl.arange(0, G2)
+    ss = tl.arange(0, NSK_PAD)
+    msk = (gg[:, None] < G) & (ss[None, :] < NSK)
+    idx = (b * HQ + h * G + gg[:, None]) * NSK + ss[None, :]
+    m = tl.load(mstat_ptr + idx, mask=msk, other=float("-inf"))
+    s = tl.load(sstat_ptr + idx, mask=msk, other=0.0)
+    mg = tl.max(m, 1)
+    mg = tl.where(mg == float("-inf"), 0.0, mg)
+    z = tl.sum(s * tl.exp(m - mg[:, None]), 1)
+    z = tl.where(z > 0, z, 1.0)
+    return mg, z
+
+
+@triton.jit
+def _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ: tl.constexpr, G: tl.constexpr, G2: tl.constexpr):
+    gg = tl.arange(0, G2)
+    msk = (gg[:, None] < G) & (pos[None, :] < T)
+    lg = tl.load(logit_ptr + (b * HQ + h * G + gg[:, None]) * TMAX + pos[None, :], mask=msk,
+                 other=float("-inf"))
+    p = tl.exp(lg - mg[:, None]) / z[:, None]
+    return tl.where(msk, p, 0.0)
+
+
+@triton.jit
+def _keys(bimp, r_ptr, KS: tl.constexpr, KS_PAD: tl.constexpr):
+    kk = tl.arange(0, KS_PAD)
+    r = tl.load(r_ptr + kk, mask=kk < KS, other=0.0)
+    return (bimp[None, :] * r[:, None]).to(tl.int32, bitcast=True), kk < KS  # [KS_PAD, BLOCK]
+
+
+@triton.jit
+def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, TMAX, NSK,
+                HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
+                NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr):
+    """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    grp, _ = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    if blk * BLK < T:
+        mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
+        pos = blk * BLK + tl.arange(0, BLK)
+        p = _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G2)
+        bimp = tl.sum(p * p, 0)  # [BLK]
+        tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
+        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+        msk = kok[:, None] & (pos[None, :] < T)
+        hist = tl.histogram(tl.reshape(key >> 23, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
+        bins = tl.arange(0, NBINS)
+        tl.atomic_add(hist_ptr + grp * (NBINS * NPASS) + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+                 PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+                 PACKET: tl.constexpr):
+    """Radix pass PASS (2..4) over the keys that match the digits chosen so far."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = pid_bh // HKV
+    grp, _ = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    if blk * BLK < T:
+        count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+        hbase = hist_ptr + grp * (NBINS * NPASS)
+        prefix, _ = _prefix(hbase, tl.maximum(count, 1), PASS - 1)
+        pos = blk * BLK + tl.arange(0, BLK)
+        bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
+        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+        # pass p reads bits [SH, SH + 8) (the last pass bits 6..0); the prefix sits above them
+        SH: tl.constexpr = 23 - 8 * (PASS - 1) if PASS < 4 else 0
+        SH_PREV: tl.constexpr = 23 - 8 * (PASS - 2)
+        MASK: tl.constexpr = 255 if PASS < 4 else 127
+        match = (key >> SH_PREV) == prefix
+        digit = (key >> SH) & MASK
+        msk = kok[:, None] & (pos[None, :] < T) & match & (count > 0)
+        hist = tl.histogram(tl.reshape(digit, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
+        bins = tl.arange(0, NBINS)
+        tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+                HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
+                KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
+    """Keys equal to lambda in this block, per step: tie[group, hl * NBLK + blk, k]."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    lam, _ = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+    lam = tl.where(count > 0, lam, 0x7FFFFFFF)
+    pos = blk * BLK + tl.arange(0, BLK)
+    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
+    key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+    eq = (key == lam) & kok[:, None] & (pos[None, :] < T)
+    kk = tl.arange(0, KS_PAD)
+    tl.store(tie_ptr + ((grp * HG + hl) * NBLK + blk) * KS_PAD + kk, tl.sum(eq.to(tl.int32), 1))
+
+
+# ----------------------------------------------------------------------------- Value stage
+
+
+@triton.jit
+def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
+                 tab_ptr, spread_ptr, vdep_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
+                 USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
+                 G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                 BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr):
+    """Program (b*Hkv + h, block of BLK tokens): token depths from lambda (ties in (step, item)
+    order; FIXED_V > 0 gives every token that depth: the Full Reader), then per page the planes
+    each token needs (SPREAD reads build 8 codes at once), z = L_s[code] as fp16 hi/lo, and the
+    p-weighted sum with three fp16 MMAs into a float32 partial per block."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    kk = tl.arange(0, KS_PAD)
+    if FIXED_V == 0:
+        count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+        lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+        lam = tl.where(count > 0, lam, 0x7FFFFFFF)
+        need = tl.where(count > 0, need, 0)
+        # Rank base of this block's ties for each step: all ties of earlier steps, plus ties of the
+        # same step in blocks that come earlier in item order (head, then block).
+        NT = HG * NBLK
+        tt = tl.arange(0, NT_PAD)
+        me = hl * NBLK + blk
+        tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
+        per_k = tl.sum(tie, 0)  # [KS_PAD]
+        earlier_k = tl.cumsum(per_k, 0) - per_k
+        before_me = tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
+        run = earlier_k + before_me  # [KS_PAD]
+
+    mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G_PAD, NSK_PAD)
+    NCODE: tl.constexpr = 1 << W
+    NB8: tl.constexpr = D // 8
+    tok = tl.arange(0, 32)
+    cc = tl.arange(0, D)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    # 32-token tiles (half a 64-token page) keep the decode tile small in registers
+    TPP: tl.constexpr = P // 32
+    n_tiles = tl.cdiv(T, 32)
+    TPB: tl.constexpr = BLK // 32
+    t0 = blk * TPB
+    for ti in range(t0, tl.minimum(t0 + TPB, n_tiles)):
+        pos = ti * 32 + tok
+        valid = pos < T
+        if FIXED_V == 0:
+            bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+            ok = kok[:, None] & valid[None, :]
+            strict = tl.sum(((key > lam) & ok).to(tl.int32), 0)
+            eq = ((key == lam) & ok).to(tl.int32)  # [KS_PAD, 32]
+            rank = run[:, None] + tl.cumsum(eq, 1) - eq
+            taken = tl.sum(((eq > 0) & (rank < need)).to(tl.int32), 0)
+            run += tl.sum(eq, 1)
+            s = tl.where(valid, MIN_V + PACKET * (strict + taken), 0)
+            tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+        else:
+            s = tl.where(valid, FIXED_V, 0)
+        if tl.max(s, 0) > 0:
+            page = tl.load(pt_ptr + pid_bh * SLOTS + ti // TPP).to(tl.int64)
+            off = (ti % TPP) * 32
+            s_max = tl.max(s, 0)
+            codes = tl.zeros([32, D], dtype=tl.int32)
+            for j in tl.static_range(W):
+                if j < s_max:
+                    row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + (cc[None, :] // 8)
+                    byte = tl.load(row, mask=(s > j)[:, None], other=0).to(tl.int32)  # [32, D]: each element's byte
+                    codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
+            z_hi, z_lo = _hi_lo(tl.load(tab_ptr + s[:, None] * NCODE + codes))  # [32, D]
+            p_hi, p_lo = _split16(_probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
+            acc = tl.dot(p_hi, z_hi, acc)
+            acc = tl.dot(p_hi, z_lo, acc)
+            acc = tl.dot(p_lo, z_hi, acc)
+    gg = tl.arange(0, G_PAD)
+    tl.store(part_ptr + (((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D + cc[None, :]), acc,
+             mask=gg[:, None] < G)
+
+
+@triton.jit
+def _combine(part_ptr, mu_ptr, sig_ptr, out_ptr, NBLK, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+             G_PAD: tl.constexpr, D: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    gg = tl.arange(0, G_PAD)
+    cc = tl.arange(0, D)
+    msk = gg[:, None] < G
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s in range(NBLK):
+        acc += tl.load(part_ptr + (((b * HQ + h * G + gg[:, None]) * NBLK + s) * D + cc[None, :]), mask=msk,
+                       other=0.0)
+    mu = tl.load(mu_ptr + h * D + cc)
+    sig = tl.load(sig_ptr + h * D + cc)
+    out = mu[None, :] + sig[None, :] * acc
+    tl.store(out_ptr + (b * HQ + h * G + gg[:, None]) * D + cc[None, :], out, mask=msk)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+__all__ = ["HIST_STRIDE", "NBINS", "NPASS", "next_pow2", "triton"]

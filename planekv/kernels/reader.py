@@ -1,0 +1,288 @@
+"""TritonReader: the two-stage decode read as a plan/run pair (FlashInfer's split).
+
+``plan(batch, max_tokens)`` sizes every buffer once for a step shape; ``run(...)`` is a fixed
+launch sequence that allocates nothing, reads lengths and page tables from device tensors, and can
+be captured in a CUDA graph (decode appends only change device data).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats
+from ..kvstore.accounting import two_stage_workspace_bytes
+from ..kvstore.allocate import step_gains
+from ._dispatch import check_device
+from .decode import (
+    HIST_STRIDE,
+    _combine,
+    _key_stage,
+    _prep,
+    _value_hist,
+    _value_radix,
+    _value_stage,
+    _value_ties,
+    next_pow2,
+)
+
+
+def spread_table() -> torch.Tensor:
+    """SPREAD[b] (int64): bit k of the byte b moved to bit 8k."""
+    b = torch.arange(256, dtype=torch.int64)
+    out = torch.zeros(256, dtype=torch.int64)
+    for k in range(8):
+        out |= ((b >> k) & 1) << (8 * k)
+    return out
+
+
+def packed_table(codec: Codec) -> torch.Tensor:
+    """Reconstruction table [(W + 1) * 2**W] as int32 words: fp16(L) in the low half, fp16(L - fp16(L))
+    in the high half, so z = hi + lo is L to about 2^-22."""
+    t = codec.tree.table().reshape(-1).double()
+    hi = t.half()
+    lo = (t - hi.double()).half()
+    return (hi.view(torch.int16).to(torch.int32) & 0xFFFF) | (lo.view(torch.int16).to(torch.int32) << 16)
+
+
+@dataclass
+class Plan:
+    """Buffers and launch constants of one step shape (all on one device)."""
+
+    batch: int
+    max_tokens: int
+    n_splits: int  # Key-stage programs per (sequence, KV head): PPK pages each
+    n_blocks: int  # Value-stage programs per (sequence, KV head): BLK tokens each
+    device: torch.device
+    qbuf: torch.Tensor  # [B, Hq, d] f32: queries copied in
+    qt: torch.Tensor  # [B, Hq, d] f32: q~
+    w_hi: torch.Tensor  # [B, Hq, d] f16: q~ * sigma_K, high half
+    w_lo: torch.Tensor  # [B, Hq, d] f16: low half
+    base: torch.Tensor  # [B, Hq] f32: q~ . mu_K
+    kdep: torch.Tensor  # [B, Hkv, d] i32: Key channel depths
+    logits: torch.Tensor  # [B, Hq, T] f32 (scaled)
+    mstat: torch.Tensor  # [B, Hq, S] f32
+    sstat: torch.Tensor  # [B, Hq, S] f32
+    vimp: torch.Tensor  # [B, Hkv, T] f32: Value importance
+    vdep: torch.Tensor  # [B, Hkv, T] i8: Value token depths
+    hist: torch.Tensor  # [groups, HIST_STRIDE] i32: radix histograms
+    ties: torch.Tensor  # [groups, HG * NBLK, KS_PAD] i32
+    part: torch.Tensor  # [B, Hq, NBLK, d] f32: per-block weighted sums
+    out_t: torch.Tensor  # [B, Hq, d] f32: output in the V-transformed domain
+    out: torch.Tensor  # [B, Hq, d] f32
+
+    def workspace_bytes(self) -> int:
+        """Bytes of every temporary buffer (not the output)."""
+        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.logits, self.mstat, self.sstat,
+                self.vimp, self.vdep, self.hist, self.ties, self.part, self.out_t)
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+
+class TritonReader:
+    """Two-stage ReadKV decode on the GPU (or Triton's interpreter on CPU tensors).
+
+    Both readers: the flexible one (pooled budgets, depth 0, tuned split; the default) and the
+    constrained one (per-head budgets, minimum depth 1, Value packets).
+    """
+
+    def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
+                 fixed_depth: int = 0) -> None:
+        self.codec = codec
+        self.fixed_depth = fixed_depth
+        if fixed_depth:
+            # Full Reader: every K channel and V token at one depth, read fully; no allocation.
+            policy = ReadPolicy(width=codec.width, rate=float(fixed_depth), min_depth_k=fixed_depth,
+                                min_depth_v=fixed_depth, pool_heads=False, reader="constrained")
+        self.policy = policy or ReadPolicy.flexible(4.0)
+        spec = codec.spec
+        if self.policy.width != spec.width:
+            raise ValueError(f"policy width {self.policy.width} != stored width {spec.width}")
+        if spec.head_dim % 32 or spec.head_dim & (spec.head_dim - 1):
+            raise ValueError(f"Triton reader needs a power-of-two head dim >= 32, got {spec.head_dim}")
+        if spec.page_size % 32:
+            raise ValueError("page size must be a multiple of 32")
+        self.num_warps = num_warps
+        pol = self.policy
+        d, w = spec.head_dim, spec.width
+        self.hg = spec.n_kv_heads if pol.pool_heads else 1
+        self.bk = pol.key_budget(d)
+        if self.bk < pol.min_depth_k * d:
+            raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")
+        n_items = self.hg * d
+        ks_k = w - pol.min_depth_k
+        self.count_k = max(0, min(self.bk * self.hg - pol.min_depth_k * n_items, ks_k * n_items))
+        dist = codec.tree.distortion
+        rk = step_gains(dist, w, pol.min_depth_k, 1)
+        rv = step_gains(dist, w, pol.min_depth_v, pol.v_packet)
+        self.ks_k, self.ks_v = len(rk), len(rv)
+        self.kspad_k, self.kspad_v = next_pow2(max(1, len(rk))), next_pow2(max(1, len(rv)))
+        self._rk = torch.zeros(self.kspad_k, dtype=torch.float32)
+        self._rk[: len(rk)] = torch.tensor(rk, dtype=torch.float32)
+        self._rv = torch.zeros(self.kspad_v, dtype=torch.float32)
+        self._rv[: len(rv)] = torch.tensor(rv, dtype=torch.float32)
+        c = codec.calibration
+        self._consts_cpu = {
+            "mu_k": c.mu_k, "sig_k": c.sigma_k, "mu_v": c.mu_v, "sig_v": c.sigma_v,
+            "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
+            "tab2": packed_table(codec), "spread": spread_table(), "rk": self._rk, "rv": self._rv,
+        }
+        self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self._consts:
+            self._consts[device] = {k: v.to(device).contiguous() for k, v in self._consts_cpu.items()}
+        return self._consts[device]
+
+    # ---- plan ----
+
+    def plan(self, batch: int, max_tokens: int, device: torch.device | str, pages_per_program: int = 4,
+             block_tokens: int = 1024) -> Plan:
+        """Buffers for steps of ``batch`` sequences of at most ``max_tokens`` tokens. The Key stage
+        runs one program per ``pages_per_program`` pages of a (sequence, KV head); the Value passes
+        one per ``block_tokens`` tokens (a multiple of the page size)."""
+        spec = self.codec.spec
+        dev = torch.device(device)
+        hq, hk, d, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.page_size
+        if block_tokens % p:
+            raise ValueError(f"block_tokens must be a multiple of the page size {p}")
+        n_pages = math.ceil(max_tokens / p)
+        n_splits = math.ceil(n_pages / pages_per_program)
+        n_blocks = math.ceil(max_tokens / block_tokens)
+        self._ppk, self._blk = pages_per_program, block_tokens
+        groups = batch * hk // self.hg
+        f32 = dict(dtype=torch.float32, device=dev)
+        f16 = dict(dtype=torch.float16, device=dev)
+        self._on(dev)
+        return Plan(
+            batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
+            qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
+            w_hi=torch.empty(batch, hq, d, **f16), w_lo=torch.empty(batch, hq, d, **f16),
+            base=torch.empty(batch, hq, **f32),
+            kdep=torch.empty(batch, hk, d, dtype=torch.int32, device=dev),
+            logits=torch.empty(batch, hq, max_tokens, **f32),
+            mstat=torch.empty(batch, hq, n_splits, **f32), sstat=torch.empty(batch, hq, n_splits, **f32),
+            vimp=torch.empty(batch, hk, max_tokens, **f32),
+            vdep=torch.zeros(batch, hk, max_tokens, dtype=torch.int8, device=dev),
+            hist=torch.zeros(groups, HIST_STRIDE, dtype=torch.int32, device=dev),
+            ties=torch.zeros(groups, self.hg * n_blocks, self.kspad_v, dtype=torch.int32, device=dev),
+            part=torch.empty(batch, hq, n_blocks, d, **f32), out_t=torch.empty(batch, hq, d, **f32),
+            out=torch.empty(batch, hq, d, **f32),
+        )
+
+    # ---- run ----
+
+    def run(self, plan: Plan, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            page_table: torch.Tensor, lengths: torch.Tensor, layer: int, scale: float | None = None,
+            marks: list[tuple[str, torch.cuda.Event]] | None = None) -> torch.Tensor:
+        """One decode step: q [B, Hq, d]; k_pool [pages, W, d, P/8] and v_pool [pages, W, P, d/8] (uint8,
+        this layer's pools); page_table [B, Hkv, slots] (int32); lengths [B] (int32, <= plan.max_tokens).
+        Returns plan.out [B, Hq, d] (float32). Allocates nothing. ``marks`` (profiling only) receives a
+        recorded CUDA event after each stage."""
+
+        def mark(name: str) -> None:
+            if marks is not None:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append((name, ev))
+
+        spec, pol = self.codec.spec, self.policy
+        check_device(q, k_pool, v_pool, page_table, lengths, plan.out)
+        b, hq, d = q.shape
+        hk, g, w, p = spec.n_kv_heads, spec.group_size, spec.width, spec.page_size
+        if b != plan.batch:
+            raise ValueError(f"batch {b} != planned batch {plan.batch}")
+        c = self._consts[plan.device]
+        nsk, nblk = plan.n_splits, plan.n_blocks
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        slots = page_table.shape[2]
+        tmax = plan.max_tokens
+        gpad = max(16, next_pow2(g))
+        g2 = next_pow2(g)
+        nsk_pad = next_pow2(nsk)
+        groups = b * hk // self.hg
+        use_rate = pol.rate is not None
+        rate = float(pol.rate) if use_rate else 0.0
+        bv_fixed = 0 if use_rate else int(pol.budget_v)  # type: ignore[arg-type]
+        vconst = dict(D=d, W=w, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v, MIN_V=pol.min_depth_v,
+                      PACKET=pol.v_packet)
+        mu_k, sig_k = c["mu_k"][layer], c["sig_k"][layer]
+        mu_v, sig_v = c["mu_v"][layer], c["sig_v"][layer]
+        nw = self.num_warps
+
+        mark("start")
+        plan.qbuf.copy_(q)
+        torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
+        mark("q_transform")
+        _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.hist,
+                         self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k, KS_PAD=self.kspad_k,
+                         MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg), num_warps=4)
+        mark("prep")
+        _key_stage[(b * hk, nsk)](k_pool.view(torch.int32), page_table, lengths, plan.kdep, plan.w_hi, plan.w_lo,
+                                  plan.base, c["tab2"], c["spread"], plan.logits, plan.mstat, plan.sstat, scale,
+                                  slots, tmax, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d, W=w, P=p, PPK=self._ppk,
+                                  num_warps=nw)
+        mark("key_stage")
+        grid = (b * hk, nblk)
+        if not self.fixed_depth:
+            _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist, tmax,
+                              nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad, BLK=self._blk,
+                              KS=self.ks_v, KS_PAD=self.kspad_v, num_warps=nw)
+            mark("value_hist")
+            for pas in (2, 3, 4):
+                _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, tmax, rate, self.bk, bv_fixed,
+                                   USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
+                mark(f"value_radix{pas}")
+            _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
+                              USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
+            mark("value_ties")
+        _value_stage[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
+                           plan.hist, plan.ties, c["tab2"], c["spread"], plan.vdep, plan.part, slots, tmax, nsk,
+                           rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g, G_PAD=gpad,
+                           NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk), FIXED_V=self.fixed_depth,
+                           **vconst, num_warps=nw)
+        mark("value_stage")
+        _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d,
+                            num_warps=4)
+        torch.mm(plan.out_t.view(-1, d), c["mv"], out=plan.out.view(-1, d))
+        mark("combine_inverse")
+        return plan.out
+
+    # ---- convenience ----
+
+    def decode(self, q: torch.Tensor, cache: PlaneKVCache, layer: int, scale: float | None = None,
+               plan: Plan | None = None) -> tuple[torch.Tensor, ReadStats]:
+        """The same contract as planekv.kvstore.reference.readkv_decode, over a PlaneKVCache."""
+        cache.check_format(self.codec.format_id)
+        b = q.shape[0]
+        lengths = cache.lengths[layer].to(torch.int32)
+        t_max = int(lengths.max())
+        if plan is None or plan.max_tokens < t_max or plan.batch != b:
+            plan = self.plan(b, t_max, q.device)
+        pt = cache.page_table.to(device=q.device, dtype=torch.int32).contiguous()
+        if pt.shape[2] == 0:
+            raise ValueError("the cache holds no pages")
+        out = self.run(plan, q, cache.k_pool[layer], cache.v_pool[layer], pt, lengths.to(q.device), layer, scale)
+        return out.clone(), self.stats(plan, lengths)
+
+    def stats(self, plan: Plan, lengths: torch.Tensor) -> ReadStats:
+        """Logical read of the last run, counted from its depth buffers."""
+        spec = self.codec.spec
+        lengths = lengths.to(torch.int64).cpu()
+        kdep = plan.kdep.cpu().to(torch.int64)
+        vdep = plan.vdep.cpu().to(torch.int64)
+        if self.fixed_depth:
+            vdep = torch.full_like(vdep, self.fixed_depth)
+        tok = torch.arange(plan.max_tokens)
+        vmask = tok[None, None, :] < lengths[:, None, None]
+        vdep = vdep * vmask
+        k_bits = (lengths * kdep.sum((1, 2))).double()
+        v_bits = (spec.head_dim * vdep.sum((1, 2))).double()
+        return ReadStats(
+            k_bits=k_bits, v_bits=v_bits, tokens=lengths.double(), n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
+            workspace_bytes=two_stage_workspace_bytes(spec.n_q_heads, spec.n_kv_heads, int(lengths.max()),
+                                                      spec.head_dim, plan.batch),
+            k_depths=kdep, v_depths=vdep,
+        )
