@@ -9,8 +9,8 @@ One decode step of one layer is a fixed launch sequence (see reader.TritonReader
   _key_stage     grid (B*Hkv, NSK)   PPK pages each: Key planes at the channel depths -> logits, a
                                      softmax max/sum per program; the whole GQA group per program
   _value_hist    grid (B*Hkv, NBLK)  BLK tokens each: global softmax stats, Value importance
-                                     b_i = sum_g p_gi^2, radix pass 1 (top 8 bits of every gain)
-  _value_radix   (3 times)           radix passes 2-4 (8 bits each) -> exact lambda
+                                     b_i = sum_g p_gi^2, radix pass 1 (top 4 bits of every gain)
+  _value_radix   (7 times)           radix passes 2-8 (4 bits each) -> exact lambda
   _value_ties                        ties at lambda counted per block and step
   _value_stage   grid (B*Hkv, NBLK)  token depths from lambda (ties in (step, item) order), Value
                                      planes at those depths, p-weighted sums per block
@@ -35,9 +35,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NBINS = tl.constexpr(256)  # radix digits of 8 bits: tl.histogram costs O(keys x bins)
-NPASS = tl.constexpr(4)  # bits 30..23, 22..15, 14..7, 6..0 of a non-negative float32
-HIST_STRIDE = 256 * 4  # int32 histogram words per group
+# Radix select over the 31 magnitude bits of a non-negative float32, RBITS bits per pass (the last
+# pass takes what is left). tl.histogram costs O(keys x bins), so small digits and more passes win.
+RBITS = tl.constexpr(4)
+NBINS = tl.constexpr(16)
+NPASS = tl.constexpr(8)
+HIST_STRIDE = 16 * 8  # int32 histogram words per group
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -80,23 +83,21 @@ def _select_digit(hist_ptr, NB: tl.constexpr, need):
 
 @triton.jit
 def _prefix(hist_ptr, count, upto: tl.constexpr):
-    """Digits chosen by passes 1..upto (as one value aligned at bit _shift(upto)) and the keys
-    still to take among those that match them."""
+    """Digits chosen by passes 1..upto (as one value aligned at bit max(31 - RBITS * upto, 0)) and
+    the keys still to take among those that match them."""
     pref = count * 0
     rem = count
     for pas in tl.static_range(1, upto + 1):
         dsel, rem = _select_digit(hist_ptr + (pas - 1) * NBINS, NBINS, rem)
-        if pas < 4:
-            pref = (pref << 8) | dsel
-        else:
-            pref = (pref << 7) | dsel
+        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (pas - 1))
+        pref = (pref << WIDTH) | dsel
     return pref, rem
 
 
 @triton.jit
 def _lambda(hist_ptr, count):
     """Exact lambda (float32 bit pattern) and the number of keys equal to it to take."""
-    return _prefix(hist_ptr, count, 4)
+    return _prefix(hist_ptr, count, NPASS)
 
 
 @triton.jit
@@ -308,7 +309,8 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
         msk = kok[:, None] & (pos[None, :] < T)
-        hist = tl.histogram(tl.reshape(key >> 23, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
+        SH1: tl.constexpr = 31 - RBITS
+        hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
         bins = tl.arange(0, NBINS)
         tl.atomic_add(hist_ptr + grp * (NBINS * NPASS) + bins, hist, mask=hist > 0)
 
@@ -318,7 +320,7 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, TMAX, RATE, BK, BV_FIXED, U
                  PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
                  PACKET: tl.constexpr):
-    """Radix pass PASS (2..4) over the keys that match the digits chosen so far."""
+    """Radix pass PASS (2..NPASS) over the keys that match the digits chosen so far."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid_bh // HKV
@@ -331,10 +333,11 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, TMAX, RATE, BK, BV_FIXED, U
         pos = blk * BLK + tl.arange(0, BLK)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-        # pass p reads bits [SH, SH + 8) (the last pass bits 6..0); the prefix sits above them
-        SH: tl.constexpr = 23 - 8 * (PASS - 1) if PASS < 4 else 0
-        SH_PREV: tl.constexpr = 23 - 8 * (PASS - 2)
-        MASK: tl.constexpr = 255 if PASS < 4 else 127
+        # pass p reads bits [SH, SH + width) (the last pass what is left); the prefix sits above them
+        SH: tl.constexpr = max(31 - RBITS * PASS, 0)
+        SH_PREV: tl.constexpr = 31 - RBITS * (PASS - 1)
+        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
+        MASK: tl.constexpr = (NBINS - 1) >> (RBITS - WIDTH)
         match = (key >> SH_PREV) == prefix
         digit = (key >> SH) & MASK
         msk = kok[:, None] & (pos[None, :] < T) & match & (count > 0)
@@ -473,4 +476,4 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-__all__ = ["HIST_STRIDE", "NBINS", "NPASS", "next_pow2", "triton"]
+__all__ = ["HIST_STRIDE", "NBINS", "NPASS", "RBITS", "next_pow2", "triton"]

@@ -18,6 +18,7 @@ from ..kvstore.allocate import step_gains
 from ._dispatch import check_device
 from .decode import (
     HIST_STRIDE,
+    NPASS,
     _combine,
     _key_stage,
     _prep,
@@ -230,7 +231,7 @@ class TritonReader:
                               nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad, BLK=self._blk,
                               KS=self.ks_v, KS_PAD=self.kspad_v, num_warps=nw)
             mark("value_hist")
-            for pas in (2, 3, 4):
+            for pas in range(2, NPASS.value + 1):
                 _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, tmax, rate, self.bk, bv_fixed,
                                    USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
                 mark(f"value_radix{pas}")

@@ -91,3 +91,22 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         check_device(torch.zeros(1))
+
+
+def test_ties_at_lambda_follow_the_reference_order() -> None:
+    """Peaked queries make most probabilities underflow to exactly 0, so many Value importances are
+    exactly equal (0) in any arithmetic; a budget beyond the positive gains puts lambda on those
+    ties, and the kernel must take them in the reference's (step, item) order."""
+    codec, cache, q = _setup(seed=21, lengths=[150])
+    q = q * 300.0  # softmax one-hot per head: p = 0 exactly for almost every token
+    for policy in (ReadPolicy(rate=None, budget_k=256, budget_v=101, pool_heads=True),
+                   ReadPolicy(rate=None, budget_k=300, budget_v=91, pool_heads=False),
+                   ReadPolicy(rate=None, budget_k=128, budget_v=211, pool_heads=False, min_depth_v=1, v_packet=2)):
+        ref, rst = readkv_decode(q, cache, 0, codec, policy)
+        dep = rst.extra["v_depths"][0]
+        zero = dep[dep <= policy.min_depth_v + policy.v_packet]  # the tie-broken tokens
+        assert (zero > policy.min_depth_v).any() and (zero == policy.min_depth_v).any()  # the split happens
+        out, st = TritonReader(codec, policy).decode(q, cache, 0)
+        assert torch.equal(st.v_depths[0, :, :150], dep)
+        assert torch.equal(st.v_bits, rst.v_bits) and torch.equal(st.k_depths, rst.k_depths)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
