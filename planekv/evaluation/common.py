@@ -1,0 +1,185 @@
+"""Shared pieces of the evaluation jobs: devices, the compared systems, the frozen K/V split,
+progress and the model/calibration setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ..kvstore import Calibration, Codec
+from ..kvstore.baselines import KVSystem
+from ..kvstore.reference import ReadKV, make_system
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Every row of DESIGN section 7 (fixed-bit baselines at the bits matching R).
+ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant", "kivi", "sparq",
+               "fp8")
+RATES = (4.0, 2.0)
+RATE_FREE = ("dense", "fp8")  # their read does not depend on R: one row each
+K_SHARE_FILE = "k_share.json"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def hardware() -> str:
+    """One line naming the machine the numbers came from."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA), torch {torch.__version__}"
+    cpu = "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} (CPU)"
+
+
+# ---- the frozen K/V split of the flexible reader -----------------------------------------------
+
+
+def k_share_path() -> Path:
+    return Path(str(resources.files("planekv.evaluation") / K_SHARE_FILE))
+
+
+def default_k_share(rate: float, path: str | os.PathLike[str] | None = None) -> float:
+    """The flexible reader's K share chosen on the dev text (split search), for the nearest rate;
+    0.5 if no choice was frozen yet."""
+    p = Path(path) if path else k_share_path()
+    if not p.is_file():
+        return 0.5
+    data = json.loads(p.read_text())
+    table = {float(r): float(v) for r, v in data["k_share"].items()}
+    return table[min(table, key=lambda r: abs(r - rate))]
+
+
+# ---- systems -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SystemRow:
+    """One row of a result table: a system at a rate R (bits per scalar; 16 for dense)."""
+
+    name: str  # one of ALL_SYSTEMS
+    rate: float
+    k_share: float | None = None  # flexible reader only
+
+    @property
+    def key(self) -> str:
+        k = f"{self.name}@{self.rate:g}"
+        return k if self.k_share is None else f"{k}/k{self.k_share:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def system_rows(names: Iterable[str], rates: Iterable[float],
+                k_share: dict[float, float] | None = None) -> list[SystemRow]:
+    """Rows for ``names`` x ``rates`` (dense and fp8 once each)."""
+    rows: list[SystemRow] = []
+    rates = list(rates)
+    for name in names:
+        if name not in ALL_SYSTEMS:
+            raise ValueError(f"unknown system {name!r}; known: {ALL_SYSTEMS}")
+        if name in RATE_FREE:
+            rows.append(SystemRow(name, 16.0 if name == "dense" else 8.0))
+            continue
+        for r in rates:
+            ks = None
+            if name == "readkv-flexible":
+                ks = (k_share or {}).get(r, default_k_share(r))
+            rows.append(SystemRow(name, r, ks))
+    return rows
+
+
+def build_system(row: SystemRow, codec: Codec | None) -> KVSystem:
+    """The KVSystem of a row (ReadKV rows need the codec)."""
+    if row.name == "readkv-flexible":
+        return make_system(row.name, row.rate, codec, k_share=row.k_share if row.k_share is not None else 0.5)
+    return make_system(row.name, row.rate, codec)
+
+
+def label(row: SystemRow, system: KVSystem) -> str:
+    if isinstance(system, ReadKV):
+        pol = system.policy
+        s = f"ReadKV (8,{row.rate:g}) {pol.reader}"
+        return s + (f" (K share {pol.k_share:g})" if pol.reader == "flexible" else "")
+    return system.name
+
+
+# ---- model setup ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """A loaded model with its calibration and codec."""
+
+    lm: Any  # planekv.models.hf.LoadedModel
+    calibration: Calibration
+    codec: Codec
+    device: torch.device
+
+
+def setup(model: str | None, calibration: str | os.PathLike[str] | None, device: str = "auto",
+          calib_tokens: int = 16384, calib_window: int = 8192,
+          cache_dir: str | os.PathLike[str] | None = None) -> Setup:
+    """Load the model; load ``calibration`` (a .pt artifact) or compute it on the calibration text
+    (saved under ``cache_dir`` when given)."""
+    from ..models.hf import format_spec, load_model
+    from .calibrate import calibrate_model
+
+    dev = resolve_device(device)
+    lm = load_model(model, device=dev)
+    if calibration:
+        calib = Calibration.load(calibration)
+    else:
+        calib = calibrate_model(lm.model, lm.tokenizer, max_tokens=calib_tokens, window=calib_window,
+                                model_id=lm.model_id)
+        if cache_dir:
+            p = calib.save(Path(cache_dir) / f"calibration-{calib.calibration_id}.pt")
+            log.info("calibration %s saved to %s", calib.calibration_id, p)
+    spec = format_spec(lm.model, calib, lm.model_id, lm.revision)
+    return Setup(lm, calib, Codec(spec, calib), dev)
+
+
+# ---- progress --------------------------------------------------------------------------------------
+
+
+def show_progress() -> bool:
+    """Progress bars on a terminal, never in CI."""
+    return sys.stderr.isatty() and not os.environ.get("CI")
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    """tqdm on a terminal; otherwise log every item at INFO."""
+    if show_progress():
+        from tqdm.auto import tqdm
+
+        yield from tqdm(items, total=total, desc=desc, leave=False)
+        return
+    for i, x in enumerate(items):
+        log.info("%s %d/%s", desc, i + 1, total if total is not None else "?")
+        yield x
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj, indent=2, default=str))
+    return p

@@ -1,0 +1,250 @@
+"""Passkey retrieval (DESIGN section 7): a 5-digit key at a random depth of filler text (emma);
+contexts 2K, 4K and 8K tokens; exact match of the first 5-digit number generated.
+
+One dense prefill per trial is shared by every system (the prefill is dense attention in all of
+them); each system then writes the prompt's K/V into its own cache and decodes greedily, every
+step reading the compressed cache (``planekv.models.hf.PlaneKVHFCache``). Trials are paired: the
+same keys, depths and filler for every system.
+
+Runs directly (and as a Ray job entrypoint):
+``python -m planekv.evaluation.passkey --out DIR [--contexts 2048 4096 8192 --trials 50 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import re
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .common import ALL_SYSTEMS, Setup, SystemRow, build_system, label, progress, system_rows, write_json
+from .perplexity import add_setup_arguments, parse_k_share
+from .texts import FILLER_TEXT, tokenize_text
+
+if TYPE_CHECKING:
+    from ..models.hf import PlaneKVHFCache
+
+log = logging.getLogger(__name__)
+
+PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+          "I will quiz you about the important info there.\n\n")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? Answer with the five-digit number."
+ANSWER_START = "The pass key is"  # the answer is begun for the model
+MAX_NEW_TOKENS = 10
+_KEY_RE = re.compile(r"\d{5}")
+
+
+@dataclass(frozen=True)
+class Trial:
+    context: int  # prompt tokens
+    key: str  # five digits
+    depth: float  # where the needle sits in the filler, 0 = start, 1 = end
+    offset: int  # first filler token
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"context": self.context, "key": self.key, "depth": self.depth, "offset": self.offset}
+
+
+def make_trials(context: int, n: int, seed: int, filler_tokens: int) -> list[Trial]:
+    """``n`` trials with keys, depths (uniform in [0, 1]) and filler offsets from ``seed``."""
+    rng = random.Random(f"{seed}-{context}")
+    out = []
+    for _ in range(n):
+        key = str(rng.randint(10000, 99999))
+        out.append(Trial(context, key, round(rng.uniform(0.0, 1.0), 4),
+                         rng.randint(0, max(0, filler_tokens - context - 1))))
+    return out
+
+
+def build_prompt(tok: Any, filler: torch.Tensor, trial: Trial, template: str = "chat") -> torch.Tensor:
+    """Token ids [context] of the prompt: prefix, filler with the needle at ``trial.depth``, question.
+
+    ``template="chat"`` wraps it as one user turn of the tokenizer's chat template, the assistant's
+    answer started with "The pass key is" (instruct models); ``"raw"`` is plain text completion."""
+    enc = lambda s: torch.tensor(tok(s, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731
+    pre, needle = enc(PREFIX), enc(NEEDLE.format(key=trial.key))
+    if template == "chat" and getattr(tok, "chat_template", None):
+        marker = "@@PLANEKV@@"
+        text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                       add_generation_prompt=True)
+        head, tail = text.split(marker)
+        lead = enc(head)
+        q = torch.cat([enc(QUESTION + tail), enc(ANSWER_START)])
+    else:
+        lead = torch.tensor([] if tok.bos_token_id is None else [tok.bos_token_id], dtype=torch.long)
+        q = enc(f"{QUESTION} {ANSWER_START}")
+    n_fill = trial.context - lead.numel() - pre.numel() - needle.numel() - q.numel()
+    if n_fill < 1:
+        raise ValueError(f"context {trial.context} is too short for the passkey template")
+    fill = filler[trial.offset: trial.offset + n_fill]
+    if fill.numel() < n_fill:
+        raise ValueError("filler text too short for this context")
+    at = int(round(trial.depth * n_fill))
+    ids = torch.cat([lead, pre, fill[:at], needle, fill[at:], q])
+    assert ids.numel() == trial.context
+    return ids
+
+
+def parse_answer(text: str) -> str | None:
+    """The first run of exactly five digits in the generated text, or None."""
+    m = _KEY_RE.search(text)
+    return m.group(0) if m else None
+
+
+def dense_prefill(model: Any, ids: torch.Tensor) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    """(first generated token, K per layer, V per layer) from one dense prefill of ids [N]."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model(ids[None].to(dev), past_key_values=cache, use_cache=True)
+    first = int(out.logits[0, -1].argmax())
+    return first, [lay.keys for lay in cache.layers], [lay.values for lay in cache.layers]
+
+
+def greedy_decode(model: Any, cache: PlaneKVHFCache, first: int, tok: Any, max_new: int = MAX_NEW_TOKENS) -> str:
+    """Greedy continuation after the prefill; stops at five digits, EOS or ``max_new`` tokens."""
+    dev = next(model.parameters()).device
+    gen = [first]
+    for _ in range(max_new - 1):
+        text = tok.decode(gen, skip_special_tokens=True)
+        if parse_answer(text) or gen[-1] == tok.eos_token_id:
+            break
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            out = model(torch.tensor([[gen[-1]]], device=dev), past_key_values=cache, use_cache=True)
+        gen.append(int(out.logits[0, -1].argmax()))
+    return tok.decode(gen, skip_special_tokens=True)
+
+
+def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int = 0,
+                reader: str = "reference", template: str = "chat",
+                on_context: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Passkey hits for each context length and its rows (``plan``: context -> rows, run in that
+    order). ``on_context`` receives the results so far after each context (partial JSON)."""
+    from ..models.hf import make_cache
+
+    model, tok = s.lm.model, s.lm.tokenizer
+    d = s.codec.spec.head_dim
+    filler = tokenize_text(tok, FILLER_TEXT)
+    out_rows: dict[str, dict[str, Any]] = {}
+    details = []
+    for ctx, rows in plan.items():
+        systems = [(r, build_system(r, s.codec)) for r in rows]
+        for i, trial in enumerate(progress(make_trials(ctx, trials[ctx], seed, filler.numel()), total=trials[ctx],
+                                           desc=f"passkey {ctx}")):
+            if on_context is not None and i and i % 5 == 0:  # partial results of a long context
+                on_context(_summary(out_rows, details, seed, trials, reader, template))
+            ids = build_prompt(tok, filler, trial, template)
+            first, keys, values = dense_prefill(model, ids)
+            for row, system in systems:
+                t0 = time.perf_counter()
+                cache = make_cache(model, system, reader=reader)
+                cache.prefill_from(keys, values)
+                text = greedy_decode(model, cache, first, tok)
+                ans = parse_answer(text)
+                hit = ans == trial.key
+                key = f"{row.key}@{ctx}"
+                res = out_rows.setdefault(key, {
+                    **row.to_dict(), "key": row.key, "context": ctx, "label": label(row, system),
+                    "capacity_bits": system.capacity_bits(ctx, d), "hits": 0, "trials": 0,
+                    "k_bits": 0.0, "v_bits": 0.0, "dense_bits": 0.0, "seconds": 0.0})
+                res["hits"] += int(hit)
+                res["trials"] += 1
+                res["k_bits"] += cache.tally.k_bits
+                res["v_bits"] += cache.tally.v_bits
+                res["dense_bits"] += cache.tally.dense_bits
+                res["seconds"] += time.perf_counter() - t0
+                details.append({**trial.to_dict(), "system": row.key, "answer": ans, "hit": hit, "text": text})
+            del keys, values
+        if on_context is not None:
+            on_context(_summary(out_rows, details, seed, trials, reader, template))
+    return _summary(out_rows, details, seed, trials, reader, template)
+
+
+def _summary(out_rows: dict[str, dict[str, Any]], details: list[dict[str, Any]], seed: int, trials: dict[int, int],
+             reader: str, template: str) -> dict[str, Any]:
+    rows_out = []
+    for res in out_rows.values():
+        res = dict(res)
+        res["hit_rate"] = res["hits"] / res["trials"]
+        res["read_fraction"] = (res["k_bits"] + res["v_bits"]) / res["dense_bits"] if res["dense_bits"] else None
+        res["capacity_fraction"] = res["capacity_bits"] / 16.0
+        rows_out.append(res)
+    for res in rows_out:
+        dense = next((r for r in rows_out if r["name"] == "dense" and r["context"] == res["context"]), None)
+        res["vs_dense"] = None if not dense or not dense["hits"] else res["hits"] / dense["hits"]
+    return {"job": "passkey", "seed": seed, "trials": {str(c): n for c, n in trials.items()},
+            "reader": reader, "template": template, "question": QUESTION, "answer_start": ANSWER_START,
+            "rows": rows_out, "details": list(details)}
+
+
+def parse_plan(contexts: Sequence[int], systems: Sequence[str], rates: Sequence[float],
+               long_systems: Sequence[str] | None, long_rates: Sequence[float] | None,
+               k_share: dict[float, float] | None) -> dict[int, list[SystemRow]]:
+    """All ``systems`` x ``rates`` at every context but the longest, where ``long_systems`` x
+    ``long_rates`` run instead (when given)."""
+    plan = {}
+    longest = max(contexts)
+    for c in contexts:  # in the order given
+        if c == longest and long_systems:
+            plan[c] = system_rows(long_systems, long_rates or rates, k_share)
+        else:
+            plan[c] = system_rows(systems, rates, k_share)
+    return plan
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_setup_arguments(p)
+    p.add_argument("--contexts", nargs="+", type=int, default=[8192, 4096, 2048],
+                   help="prompt tokens (run in this order)")
+    p.add_argument("--trials", nargs="+", type=int, default=[50],
+                   help="trials per context (one value for all, or one per context)")
+    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--rates", nargs="+", type=float, default=[4.0, 2.0])
+    p.add_argument("--long-systems", nargs="*", default=["dense", "readkv-flexible", "readkv-constrained"],
+                   choices=ALL_SYSTEMS, help="systems at the longest context (empty: --systems)")
+    p.add_argument("--long-rates", nargs="*", type=float, default=[2.0], help="rates at the longest context")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reader", default="reference", help="decode reader (planekv.models.hf.READERS)")
+    p.add_argument("--template", default="chat", choices=["chat", "raw"], help="prompt as a chat turn or raw text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import setup
+    from .report import write_report
+
+    trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
+    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out)
+    plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates,
+                      parse_k_share(args.k_share))
+    t0 = time.perf_counter()
+    res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
+                      args.template, on_context=lambda r: write_json(f"{args.out}/passkey.json", r))
+    res["seconds"] = time.perf_counter() - t0
+    res["calibration_id"] = s.calibration.calibration_id
+    write_json(f"{args.out}/passkey.json", res)
+    write_report(args.out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.passkey", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

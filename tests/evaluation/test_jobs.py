@@ -1,0 +1,90 @@
+"""The evaluation jobs end to end on a tiny local model (Ray-free, as a job entrypoint would run them):
+each writes its JSON, the Markdown table and the plot; the suite reproduces a report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from planekv.evaluation import calibrate, passkey, perplexity, split_search, suite  # noqa: E402
+from planekv.kvstore import Calibration  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
+
+TINY = ["--calib-tokens", "512", "--calib-window", "256", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def calib_path(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calib")
+    assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
+                           "--out", str(out), "--no-register", "--device", "cpu"]) == 0
+    (path,) = out.glob("calibration-*.pt")
+    return path
+
+
+def test_calibration_artifact_round_trips(calib_path):
+    c = Calibration.load(calib_path)
+    assert c.calibration_id in calib_path.name
+    assert c.mu_k.shape == (2, 2, 32)
+    assert c.meta["text"] == "northanger_abbey" and c.meta["position"] == "rope-before-cache"
+    assert Calibration.from_bytes(c.to_bytes()).calibration_id == c.calibration_id
+
+
+def test_perplexity_job_writes_outputs(tiny_model_dir, calib_path, tmp_path):
+    rc = perplexity.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                          "--window", "96", "--windows", "1", "--texts", "pride_and_prejudice",
+                          "--systems", "dense", "readkv-flexible", "kivi", "--rates", "2", "--device", "cpu"])
+    assert rc == 0
+    res = json.loads((tmp_path / "perplexity.json").read_text())
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "readkv-flexible", "kivi"}
+    assert rows["dense"]["read_fraction"] == pytest.approx(1.0)
+    assert rows["readkv-flexible"]["read_fraction"] == pytest.approx(2 / 16, abs=0.01)
+    assert rows["readkv-flexible"]["capacity_fraction"] == pytest.approx(0.5)
+    assert rows["dense"]["ppl"] == pytest.approx(res["model_ppl"], rel=1e-3)  # fp16 K/V vs fp32
+    md = (tmp_path / "report.md").read_text()
+    assert "ReadKV (8,2) flexible" in md and "read % of dense" in md
+    assert (tmp_path / "quality_vs_read.png").stat().st_size > 1000
+
+
+def test_passkey_job_writes_outputs(tiny_model_dir, calib_path, tmp_path):
+    rc = passkey.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                       "--contexts", "200", "--trials", "2", "--systems", "dense", "readkv-constrained",
+                       "--rates", "2", "--long-systems", "--device", "cpu"])
+    assert rc == 0
+    res = json.loads((tmp_path / "passkey.json").read_text())
+    assert {r["name"] for r in res["rows"]} == {"dense", "readkv-constrained"}
+    assert all(r["trials"] == 2 for r in res["rows"])
+    assert len(res["details"]) == 4
+    assert (tmp_path / "report.md").read_text().count("| 200 |") == 2
+
+
+def test_split_search_job(tiny_model_dir, calib_path, tmp_path):
+    rc = split_search.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                            "--rates", "2", "--grid", "0.25", "0.75", "--window", "64", "--windows", "1",
+                            "--device", "cpu"])
+    assert rc == 0
+    res = json.loads((tmp_path / "split_search.json").read_text())
+    assert len(res["rows"]) == 2 and res["rows"][0]["ppl"] != res["rows"][1]["ppl"]
+    assert res["k_share"]["2"] == min(res["rows"], key=lambda r: r["ppl"])["k_share"]
+
+
+def test_suite_end_to_end(tiny_model_dir, tmp_path):
+    rc = suite.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), *TINY, "--window", "64",
+                     "--windows", "1", "--split-windows", "1", "--grid", "0.5", "0.625", "--contexts", "200",
+                     "--trials", "1", "--systems", "dense", "readkv-flexible", "fp8", "--rates", "4", "2",
+                     "--long-systems"])
+    assert rc == 0
+    for name in ("run.json", "split_search.json", "perplexity.json", "passkey.json", "report.md",
+                 "quality_vs_read.png"):
+        assert (tmp_path / name).is_file(), name
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["hardware"] and meta["date"] and set(meta["seconds"]) >= {"perplexity", "passkey", "total"}
+    ppl = json.loads((tmp_path / "perplexity.json").read_text())
+    chosen = json.loads((tmp_path / "split_search.json").read_text())["k_share"]
+    flex = [r for r in ppl["rows"] if r["name"] == "readkv-flexible"]
+    assert {r["rate"]: r["k_share"] for r in flex} == {4.0: chosen["4"], 2.0: chosen["2"]}

@@ -1,0 +1,129 @@
+"""The transformers integration: generate() through the PlaneKV cache, decode logits at full
+budget, teacher-forced reads, sliding windows and the query scale of Gemma3, the reader table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from planekv.kvstore import ReadPolicy, reference  # noqa: E402
+from planekv.kvstore.reference import ReadKV, make_system  # noqa: E402
+from planekv.models import hf  # noqa: E402
+
+VOCAB = 97  # the tiny models of conftest.py
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
+
+
+def _prompt(n: int = 40, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _decode_logits(model, cache, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Prefill ids, then feed ids' continuation token by token; the logits of every decode step."""
+    out = []
+    with torch.no_grad():
+        model(ids[:, :-steps], past_key_values=cache, use_cache=True)
+        for i in range(steps, 0, -1):
+            tok = ids[:, -i:][:, :1]
+            out.append(model(tok, past_key_values=cache, use_cache=True).logits[0, -1])
+    return out
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_generate_runs_through_planekv(which, request):
+    model, codec = request.getfixturevalue(which)
+    ids = _prompt(24)
+    cache = hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(2.0)))
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                             pad_token_id=0)
+    assert out.shape == (1, 30)
+    assert cache.pages is not None and cache.pages.length(0, 0) == 29  # prompt + 5 decoded steps stored
+    # every decode step of every layer read the compressed cache at R = 2
+    assert cache.tally.rows == 5 * 2
+    assert cache.tally.bits_per_scalar == pytest.approx(2.0, abs=0.05)
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_full_budget_decode_matches_dense(which, request):
+    """At R = W = 8 the reader reads every plane: its decode logits are those of the 8-bit tree code
+    read fully (FullReader), close to dense, and closer than at R = 1."""
+    model, codec = request.getfixturevalue(which)
+    ids = _prompt(40)
+    dense = _decode_logits(model, DynamicCache(config=model.config), ids, 4)
+    pk = _decode_logits(model, hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(8.0))), ids, 4)
+    full = _decode_logits(model, hf.make_cache(model, reference.FullReader(codec, 8)), ids, 4)
+    low = _decode_logits(model, hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(1.0))), ids, 4)
+    tol = {"llama": 1e-2, "gemma": 5e-2}[which]  # the random Gemma3 amplifies 8-bit code errors more
+    for d, p, f, lo in zip(dense, pk, full, low, strict=True):
+        err = float((p - d).norm() / d.norm())
+        assert torch.allclose(p, f, atol=1e-4, rtol=1e-4)
+        assert err < tol
+        assert float((lo - d).norm() / d.norm()) > err  # a smaller budget is visibly coarser
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_baseline_decode_matches_dense(which, request):
+    model, codec = request.getfixturevalue(which)
+    ids = _prompt(40)
+    dense = _decode_logits(model, DynamicCache(config=model.config), ids, 3)
+    fp16 = _decode_logits(model, hf.make_cache(model, make_system("dense", 16)), ids, 3)
+    for d, p in zip(dense, fp16, strict=True):
+        assert float((p - d).norm() / d.norm()) < 1e-3
+
+
+def test_teacher_forced_dense_equals_model_loss(llama):
+    model, _ = llama
+    ids = _prompt(64)
+    with torch.no_grad():
+        loss = model(ids, labels=ids, use_cache=False).loss
+        with hf.teacher_forced(make_system("dense", 16)) as tally:
+            logits = model(ids, use_cache=False).logits
+    tf = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    assert float(tf) == pytest.approx(float(loss), rel=1e-4)
+    assert tally.read_fraction == pytest.approx(1.0)
+    assert tally.rows == 2 * 64
+
+
+def test_teacher_forced_reads_at_the_budget(llama):
+    """Every position of every layer reads its own compressed prefix at R: R = 8 is close to dense,
+    R = 2 reads 2 bits per scalar and is coarser."""
+    model, codec = llama
+    ids = _prompt(48)
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits[0]
+        out = {}
+        for r in (8.0, 2.0):
+            with hf.teacher_forced(ReadKV(codec, ReadPolicy.flexible(r)), row_chunk=16) as tally:
+                out[r] = (model(ids, use_cache=False).logits[0], tally)
+    err = {r: float((x - dense).norm() / dense.norm()) for r, (x, _) in out.items()}
+    assert err[8.0] < 1e-2 < err[2.0]
+    assert out[2.0][1].bits_per_scalar == pytest.approx(2.0, abs=0.1)
+    assert out[2.0][1].rows == 2 * 48
+
+
+def test_gemma_scale_and_window_are_used(gemma):
+    model, codec = gemma
+    geo = hf.geometry(model)
+    assert geo.sliding_windows == (8, None)
+    attn = hf._attention_modules(model)[0]
+    assert attn.scaling == pytest.approx(24 ** -0.5)
+    # Teacher-forced dense through PlaneKV's path equals the model's own (windowed, scaled) attention.
+    ids = _prompt(40)
+    with torch.no_grad():
+        loss = model(ids, labels=ids, use_cache=False).loss
+        with hf.teacher_forced(make_system("dense", 16)):
+            logits = model(ids, use_cache=False).logits
+    tf = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    assert float(tf) == pytest.approx(float(loss), rel=1e-3)
+
+
+def test_reader_table():
+    assert hf.get_reader("reference") is reference.readkv_decode
+    with pytest.raises(ValueError, match="unknown reader"):
+        hf.get_reader("nonexistent")
