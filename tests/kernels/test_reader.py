@@ -110,3 +110,14 @@ def test_ties_at_lambda_follow_the_reference_order() -> None:
         assert torch.equal(st.v_depths[0, :, :150], dep)
         assert torch.equal(st.v_bits, rst.v_bits) and torch.equal(st.k_depths, rst.k_depths)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_readkv_decode_is_a_drop_in_for_the_reference() -> None:
+    from planekv.kernels import readkv_decode as triton_decode
+
+    codec, cache, q = _setup(seed=5, lengths=[90, 64])
+    pol = ReadPolicy.flexible(4.0)
+    ref, rst = readkv_decode(q, cache, 0, codec, pol, scale=0.1)
+    out, st = triton_decode(q, cache, 0, codec, pol, scale=0.1)
+    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
