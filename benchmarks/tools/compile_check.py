@@ -96,8 +96,9 @@ def main() -> None:
             if not fixed:
                 if want(K._value_hist):
                     compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, r_ptr=PI,
-                                                    vimp_ptr=PI, hist_ptr=P32, TMAX="i32", NSK="i32"),
-                                dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v, KS_PAD=kspv),
+                                                    vimp_ptr=PI, hist_ptr=P32, hw_ptr=PI, TMAX="i32", NSK="i32"),
+                                dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v, KS_PAD=kspv,
+                                     HEAD_WEIGHT=True),
                                 num_warps=nw, sass_dir=sd, tag=t)
                 for pas in (2, 3):
                     if want(K._value_radix):

@@ -291,9 +291,10 @@ def _keys(bimp, r_ptr, KS: tl.constexpr, KS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, TMAX, NSK,
+def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, hw_ptr, TMAX, NSK,
                 HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
-                NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr):
+                NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
+                HEAD_WEIGHT: tl.constexpr):
     """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
@@ -306,6 +307,8 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         pos = blk * BLK + tl.arange(0, BLK)
         p = _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G2)
         bimp = tl.sum(p * p, 0)  # [BLK]
+        if HEAD_WEIGHT:  # ReadPolicy.value_head_weight: times the head's sum of sigma_V^2
+            bimp = bimp * _load_scalar(hw_ptr + h)
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
         msk = kok[:, None] & (pos[None, :] < T)

@@ -128,6 +128,7 @@ class TritonReader:
             "mu_k": c.mu_k, "sig_k": c.sigma_k, "mu_v": c.mu_v, "sig_v": c.sigma_v,
             "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
             "tab2": packed_table(codec), "spread": spread_table(), "rk": self._rk, "rv": self._rv,
+            "hw": (c.sigma_v * c.sigma_v).sum(-1).contiguous(),  # [L, Hkv] for value_head_weight
         }
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._plan_cache: dict[tuple[int, torch.device], Plan] = {}
@@ -228,9 +229,10 @@ class TritonReader:
         mark("key_stage")
         grid = (b * hk, nblk)
         if not self.fixed_depth:
-            _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist, tmax,
-                              nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad, BLK=self._blk,
-                              KS=self.ks_v, KS_PAD=self.kspad_v, num_warps=nw)
+            _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
+                              c["hw"][layer], tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad,
+                              BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v, HEAD_WEIGHT=pol.value_head_weight,
+                              num_warps=nw)
             mark("value_hist")
             for pas in range(2, NPASS.value + 1):
                 _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, tmax, rate, self.bk, bv_fixed,

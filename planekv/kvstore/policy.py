@@ -36,6 +36,10 @@ class ReadPolicy:
     pool_heads: bool = True  # budget pooled across the KV heads of a layer
     tier_aware: bool = False
     deadline_ms: float | None = None
+    # Named deviation from DESIGN 1.6 (default off): weight token importance by the KV head's total
+    # Value variance sum_c sigma_{V,c}^2, the factor the expected output error carries, so a pooled
+    # budget favours heads whose Values vary more. No effect on per-head budgets.
+    value_head_weight: bool = False
 
     def __post_init__(self) -> None:
         given = (self.budget_k is not None, self.budget_v is not None)

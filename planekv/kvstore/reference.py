@@ -133,6 +133,8 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
 
     # ---- Value stage ----
     b = (p * p).sum(1).permute(1, 0, 2)  # [M, Hkv, T]
+    if policy.value_head_weight:
+        b = b * (sig_v * sig_v).sum(-1)[None, :, None]
     valid = mask[:, None, :].expand(m, hk, t_max)
     s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid)  # [M, Hkv, T]
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()

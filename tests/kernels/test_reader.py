@@ -17,6 +17,7 @@ POLICIES = {
     "flexible-r2-k0.3": ReadPolicy.flexible(2.0, k_share=0.3),
     "constrained-r2": ReadPolicy.constrained(2.0),
     "explicit-budgets": ReadPolicy(rate=None, budget_k=150, budget_v=300, pool_heads=False),
+    "flexible-r2-head-weight": ReadPolicy.flexible(2.0, value_head_weight=True),
 }
 
 

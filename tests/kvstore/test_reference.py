@@ -358,3 +358,29 @@ def test_width_below_eight(unit_codec, gen):
     assert bool((st.k_depths == 4).all()) and bool((st.v_depths == 4).all())
     want = attention(q, codec.decode(kc, 4, 0, "k"), codec.decode(vc, 4, 0, "v"), lengths)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_value_head_weight_moves_value_bits_to_the_head_with_more_variance() -> None:
+    """The named option weights each token's importance by its KV head's total Value variance: with
+    equal attention, a pooled budget then gives the high-variance head more Value planes."""
+    from planekv.kvstore import Calibration, Codec, FormatSpec, PlaneKVCache, ReadPolicy
+    from planekv.kvstore.reference import readkv_decode
+
+    d, hk, t = 16, 2, 32
+    ones = torch.ones(1, hk, d)
+    sig_v = torch.ones(1, hk, d)
+    sig_v[0, 1] = 10.0  # head 1's Values vary 10x more
+    cal = Calibration(0 * ones, ones, 0 * ones, sig_v, FormatSpec.seed_k, FormatSpec.seed_v)
+    spec = FormatSpec(model_id="t", n_layers=1, n_q_heads=2, n_kv_heads=hk, head_dim=d,
+                      calibration_id=cal.calibration_id)
+    codec = Codec(spec, cal)
+    cache = PlaneKVCache(spec, 1)
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(hk, t, d, generator=g)
+    cache.append(0, codec.encode_k(kv, 0), codec.encode_v(kv, 0), seq=0)
+    q = torch.zeros(1, 2, d)  # uniform attention: identical importance in both heads
+    plain, st0 = readkv_decode(q, cache, 0, codec, ReadPolicy.flexible(2.0))
+    _, st1 = readkv_decode(q, cache, 0, codec, ReadPolicy.flexible(2.0, value_head_weight=True))
+    v0, v1 = st0.extra["v_depths"][0], st1.extra["v_depths"][0]
+    assert v1.sum() == v0.sum()  # the same budget
+    assert v1[1].sum() > v0[1].sum() and v1[1].sum() > v1[0].sum()
