@@ -19,6 +19,7 @@ from . import __version__
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "planekv.evaluation.cli",  # calibrate, eval
     "planekv.kernels.cli",  # bench attention
+    "planekv.services.cli",  # control, store
 )
 
 

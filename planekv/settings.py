@@ -24,13 +24,34 @@ class Endpoint(BaseModel):
         return f"http://{self.host}:{self.port}"
 
 
+class StoreService(Endpoint):
+    """The store service (planekv.services.store): its endpoint plus the block store's tiers."""
+
+    port: int = 8090
+    memory_bytes: int = Field(default=2 << 30, ge=0, description="memory tier capacity (frame bytes)")
+    file_bytes: int = Field(default=32 << 30, ge=0, description="file (NVMe) tier capacity; 0 = no file tier")
+    spill_dir: Path | None = Field(default=None, description="file tier directory; default data_dir/store-<port>")
+    write_through: bool = Field(default=False, description="also write every block to the file tier before acking")
+    fsync: bool = Field(default=True, description="fsync file-tier writes (temp file, fsync, rename)")
+    max_block_bytes: int = Field(default=64 << 20, ge=8192, description="largest frame a PUT may carry")
+    redis_index: bool = Field(default=True, description="publish the block index to Redis (redis_url)")
+    store_id: str | None = Field(default=None, description="name in the block index; default host:port")
+
+
+class ControlService(Endpoint):
+    """The control plane (planekv.services.control)."""
+
+    port: int = 8080
+    max_calibration_bytes: int = Field(default=64 << 20, ge=1024, description="largest calibration upload")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PLANEKV_", env_nested_delimiter="__", extra="forbid")
 
     data_dir: Path = Field(default=Path("~/.planekv").expanduser(), description="artifacts, blocks, logs")
     redis_url: str = "redis://127.0.0.1:6379/0"
-    control: Endpoint = Endpoint(port=8080)
-    store: Endpoint = Endpoint(port=8090)
+    control: ControlService = ControlService()
+    store: StoreService = StoreService()
     ray_gcs_port: int = 6380  # Ray's usual 6379 is Redis's
     ray_dashboard_port: int = 8265
     api_token: str | None = Field(default=None, description="bearer token required by the REST APIs")

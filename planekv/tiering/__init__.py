@@ -1,2 +1,47 @@
 """planekv.tiering: block frame, tiers (GPU pool, host, NVMe via kvikio or POSIX, remote store),
-placement policy engine, fetch with deadlines, promotion and prefetch. Builds on kvstore."""
+placement policy engine, fetch with deadlines, promotion and prefetch. Builds on kvstore.
+
+Today: the block frame (:mod:`.frame`), the memory and POSIX file tiers (:mod:`.tiers`) and the
+block store over them (:mod:`.blockstore`), which the store service serves over HTTP; the
+PlacementPolicy document (:mod:`.placement`) that the control plane versions.
+"""
+
+from .blockstore import BlockInfo, BlockListener, BlockStore, Lease, PutResult, StoreStats
+from .errors import (
+    BadBlockKey,
+    BadMagic,
+    BlockBusy,
+    BlockCorrupt,
+    BlockError,
+    BlockExists,
+    BlockKeyMismatch,
+    BlockTooLarge,
+    ChecksumMismatch,
+    FrameTruncated,
+    IndexPublishError,
+    StoreFull,
+    StoreIOError,
+    UnknownFrameVersion,
+)
+from .frame import (
+    FRAME_VERSION,
+    HEADER_BYTES,
+    BlockKey,
+    FrameHeader,
+    decode_frame,
+    decode_header,
+    encode_frame,
+    iter_frames,
+    verify_frame,
+)
+from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec
+from .tiers import FILE, MEMORY, FileTier, MemoryTier, PosixFileTier
+
+__all__ = [
+    "FILE", "FRAME_VERSION", "HEADER_BYTES", "MEMORY", "BadBlockKey", "BadMagic", "BlockBusy", "BlockCorrupt",
+    "BlockError", "BlockExists", "BlockInfo", "BlockKey", "BlockKeyMismatch", "BlockListener", "BlockStore",
+    "BlockTooLarge", "ChecksumMismatch", "FileTier", "FrameHeader", "FrameTruncated", "HotPlanes",
+    "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PosixFileTier",
+    "PutResult", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion", "decode_frame",
+    "decode_header", "encode_frame", "iter_frames", "verify_frame",
+]

@@ -1,0 +1,236 @@
+"""Redis key schema (metadata only, never block bytes) and the block index the store publishes.
+
+Keys (all under ``pkv:``):
+
+================================  ====================================================================
+``pkv:blocks:<sequence_id>``      hash ``<block key>@<store id>`` -> JSON {format_id, size, checksum,
+                                  tiers, gen, store}: where each block of a sequence is, per store
+``pkv:store:<store id>:keys``     set of this store's fields above (cleared and republished at start)
+``pkv:stores``                    hash store id -> JSON {url, capacities, started_at}
+``pkv:tierstats``                 hash ``<tier>:blocks`` / ``<tier>:bytes`` over all stores
+``pkv:cache:<sequence_id>``       hash: the cache registry entry (format_id, created_at, ...)
+``pkv:caches``                    zset of sequence ids by creation time
+``pkv:format:<format_id>``        hash {spec (canonical JSON), created_at}; ``pkv:formats`` zset
+``pkv:calibration:<id>``          hash of artifact metadata; ``pkv:calibrations`` zset by version
+``pkv:policy:<name>`` ...         hash {active, ...}, lists ``:versions``, ``:stack``, ``:history``
+================================  ====================================================================
+
+Block index updates are Lua scripts, so the per-tier totals and the entries never disagree, and a
+late event of one incarnation of a key (``gen``) cannot touch the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+
+from ..kvstore.errors import FormatMismatch
+from ..tiering.blockstore import BlockInfo
+
+log = logging.getLogger(__name__)
+
+P = "pkv:"
+K_STORES = P + "stores"
+K_TIERSTATS = P + "tierstats"
+K_CACHES = P + "caches"
+K_FORMATS = P + "formats"
+K_CALIBRATIONS = P + "calibrations"
+K_CALIBRATION_SEQ = P + "calibrations:seq"
+K_POLICIES = P + "policies"
+CHANNEL_POLICY = P + "policy-activated"
+
+
+def k_blocks(sequence_id: str) -> str:
+    return f"{P}blocks:{sequence_id}"
+
+
+def k_store_keys(store_id: str) -> str:
+    return f"{P}store:{store_id}:keys"
+
+
+def k_cache(sequence_id: str) -> str:
+    return f"{P}cache:{sequence_id}"
+
+
+def k_format(format_id: str) -> str:
+    return f"{P}format:{format_id}"
+
+
+def k_calibration(calibration_id: str) -> str:
+    return f"{P}calibration:{calibration_id}"
+
+
+def k_policy(name: str, part: str = "") -> str:
+    return f"{P}policy:{name}" + (f":{part}" if part else "")
+
+
+# KEYS: blocks hash, store set, tierstats, cache hash, caches zset
+# ARGV: field, value json, size, tiers csv, format_id, sequence_id, now, force ("1": skip the format check)
+_COMMIT = """
+local fid = redis.call('HGET', KEYS[4], 'format_id')
+if fid and fid ~= ARGV[5] and ARGV[8] ~= '1' then
+  return redis.error_reply('FORMAT ' .. fid)
+end
+if not fid then
+  redis.call('HSET', KEYS[4], 'format_id', ARGV[5], 'created_at', ARGV[7], 'source', 'store')
+  redis.call('ZADD', KEYS[5], 'NX', ARGV[7], ARGV[6])
+end
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if old then
+  local o = cjson.decode(old)
+  for _, t in ipairs(o.tiers) do
+    redis.call('HINCRBY', KEYS[3], t .. ':blocks', -1)
+    redis.call('HINCRBY', KEYS[3], t .. ':bytes', -o.size)
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[1])
+for t in string.gmatch(ARGV[4], '[^,]+') do
+  redis.call('HINCRBY', KEYS[3], t .. ':blocks', 1)
+  redis.call('HINCRBY', KEYS[3], t .. ':bytes', tonumber(ARGV[3]))
+end
+return 1
+"""
+
+# KEYS: blocks hash, tierstats; ARGV: field, gen, new value json, new tiers csv
+_CHANGE = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old then return 0 end
+local o = cjson.decode(old)
+if o.gen ~= ARGV[2] then return 0 end
+for _, t in ipairs(o.tiers) do
+  redis.call('HINCRBY', KEYS[2], t .. ':blocks', -1)
+  redis.call('HINCRBY', KEYS[2], t .. ':bytes', -o.size)
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+for t in string.gmatch(ARGV[4], '[^,]+') do
+  redis.call('HINCRBY', KEYS[2], t .. ':blocks', 1)
+  redis.call('HINCRBY', KEYS[2], t .. ':bytes', o.size)
+end
+return 1
+"""
+
+# KEYS: blocks hash, store set, tierstats; ARGV: field, gen ('*' = any)
+_REMOVE = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+if not old then return 0 end
+local o = cjson.decode(old)
+if ARGV[2] ~= '*' and o.gen ~= ARGV[2] then return 0 end
+for _, t in ipairs(o.tiers) do
+  redis.call('HINCRBY', KEYS[3], t .. ':blocks', -1)
+  redis.call('HINCRBY', KEYS[3], t .. ':bytes', -o.size)
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+class FormatConflict(FormatMismatch):
+    """The sequence is registered under another format (raised by on_commit; answered 409)."""
+
+
+class RedisBlockIndex:
+    """A :class:`~planekv.tiering.BlockListener` that keeps ``pkv:blocks:*`` in step with one store."""
+
+    def __init__(self, client: redis.Redis, store_id: str, info: dict[str, Any] | None = None) -> None:
+        self.r = client
+        self.store_id = store_id
+        self.info = info or {}
+        self._commit = client.register_script(_COMMIT)
+        self._change = client.register_script(_CHANGE)
+        self._remove = client.register_script(_REMOVE)
+
+    @classmethod
+    def connect(cls, url: str, store_id: str, info: dict[str, Any] | None = None) -> RedisBlockIndex:
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=3, decode_responses=True)
+        client.ping()
+        return cls(client, store_id, info)
+
+    def _field(self, info: BlockInfo) -> str:
+        return f"{info.key}@{self.store_id}"
+
+    def _value(self, info: BlockInfo, gen: str) -> str:
+        return json.dumps({"format_id": info.key.format_id, "size": info.size, "checksum": f"{info.checksum:016x}",
+                           "tiers": list(info.tiers), "gen": gen, "store": self.store_id}, separators=(",", ":"))
+
+    def _commit_one(self, info: BlockInfo, gen: str, force: bool, client: Any = None) -> None:
+        seq = info.key.sequence_id
+        try:
+            self._commit(keys=[k_blocks(seq), k_store_keys(self.store_id), K_TIERSTATS, k_cache(seq), K_CACHES],
+                         args=[self._field(info), self._value(info, gen), info.size, ",".join(info.tiers),
+                               info.key.format_id, seq, f"{time.time():.3f}", "1" if force else "0"],
+                         client=client)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("FORMAT "):
+                raise FormatConflict(f"sequence {seq} is registered with format {str(exc)[7:]}, not "
+                                     f"{info.key.format_id}; a sequence has one format") from None
+            raise
+
+    # ---- BlockListener ----
+
+    def on_commit(self, info: BlockInfo, gen: str) -> None:
+        self._commit_one(info, gen, force=False)
+
+    def on_change(self, info: BlockInfo, gen: str) -> None:
+        self._change(keys=[k_blocks(info.key.sequence_id), K_TIERSTATS],
+                     args=[self._field(info), gen, self._value(info, gen), ",".join(info.tiers)])
+
+    def on_remove(self, info: BlockInfo, gen: str, reason: str) -> None:
+        self._remove(keys=[k_blocks(info.key.sequence_id), k_store_keys(self.store_id), K_TIERSTATS],
+                     args=[self._field(info), gen])
+
+    def on_rebuild(self, blocks: list[tuple[BlockInfo, str]]) -> None:
+        self.drop_store()
+        self.r.hset(K_STORES, self.store_id, json.dumps({**self.info, "started_at": time.time()}))
+        pipe = self.r.pipeline(transaction=False)
+        for info, gen in blocks:
+            self._commit_one(info, gen, force=True, client=pipe)
+        pipe.execute()
+
+    # ---- lifecycle ----
+
+    def drop_store(self) -> None:
+        """Remove every entry of this store (it is going away, or about to republish)."""
+        fields = self.r.smembers(k_store_keys(self.store_id))
+        pipe = self.r.pipeline(transaction=False)
+        for field in fields:
+            key = field.rsplit("@", 1)[0]
+            seq = key.split(":")[1]
+            self._remove(keys=[k_blocks(seq), k_store_keys(self.store_id), K_TIERSTATS], args=[field, "*"],
+                         client=pipe)
+        pipe.delete(k_store_keys(self.store_id))
+        pipe.hdel(K_STORES, self.store_id)
+        pipe.execute()
+        log.info("block index: %d entries of store %s removed", len(fields), self.store_id)
+
+
+def summarize_blocks(entries: dict[str, str]) -> dict[str, Any]:
+    """Planes per tier of one sequence from its ``pkv:blocks:<seq>`` hash.
+
+    Returns {tier: {"blocks", "bytes", "planes": {"k": ["b0-b1", ...], "v": [...]}, "stores": [...]}}.
+    """
+    tiers: dict[str, dict[str, Any]] = {}
+    for field, raw in entries.items():
+        key = field.rsplit("@", 1)[0]
+        parts = key.split(":")
+        kind, planes = parts[2], parts[6]
+        v = json.loads(raw)
+        for t in v["tiers"]:
+            s = tiers.setdefault(t, {"blocks": 0, "bytes": 0, "planes": {"k": set(), "v": set()}, "stores": set()})
+            s["blocks"] += 1
+            s["bytes"] += int(v["size"])
+            s["planes"][kind].add(planes)
+            s["stores"].add(v["store"])
+
+    def order(p: str) -> tuple[int, int]:
+        a, b = p.split("-")
+        return int(a), int(b)
+
+    return {t: {"blocks": s["blocks"], "bytes": s["bytes"],
+                "planes": {k: sorted(v, key=order) for k, v in s["planes"].items()},
+                "stores": sorted(s["stores"])} for t, s in sorted(tiers.items())}

@@ -1,0 +1,602 @@
+"""The block store: a memory tier that spills to a file tier, LRU, read leases, the commit rule.
+
+Interface in the manner of LMCache's storage backends: ``contains / put / get / remove / close``,
+a miss is ``None``, shared state is guarded by one lock. The protocol is Mooncake Store's:
+
+- **put** verifies the frame, reserves room (choosing LRU victims that hold no lease), writes the
+  data (victims spill to the file tier; the new frame goes to memory, and also to the file tier in
+  write-through mode or when it is larger than the memory tier), then publishes the metadata (the
+  listener, e.g. a Redis index, first; the local index last). A failure anywhere undoes the
+  reservation, deletes what was written and the metadata, and raises: readers only ever see
+  complete, immutable blocks.
+- **get** takes a read *lease* under the lock (and opens the file, if the block is on the file
+  tier), reads and verifies the checksum without the lock, and releases the lease. Eviction never
+  chooses a leased block. ``remove`` unpublishes at once; a read already holding a lease finishes
+  from its own reference (memory) or open file (POSIX).
+- **eviction** is LRU per tier: the memory tier's victims spill to the file tier when it has room
+  (evicting the file tier's own LRU blocks to make it), and are lost only when it cannot.
+- **restart** rebuilds the index from the frames on the file tier (torn temporary files removed).
+  On ``close()`` blocks held only in memory are written to the file tier (write-back mode).
+
+Sizes are frame bytes (header + payload padded to 4 KiB).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..kvstore.errors import PlaneKVError
+from .errors import (
+    BlockBusy,
+    BlockCorrupt,
+    BlockError,
+    BlockExists,
+    BlockTooLarge,
+    IndexPublishError,
+    StoreFull,
+    StoreIOError,
+)
+from .frame import BlockKey, verify_frame
+from .tiers import FILE, MEMORY, BlockReader, FileTier, MemoryTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """Public metadata of a stored block; ``tiers`` lists where copies are (fastest first)."""
+
+    key: BlockKey
+    size: int
+    checksum: int
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    info: BlockInfo
+    created: bool  # False: the same block was already stored (idempotent put)
+
+
+class BlockListener(Protocol):
+    """Receives metadata changes (e.g. to publish a block index in Redis). ``gen`` identifies one
+    incarnation of a key, so a late event of a deleted block cannot touch its successor."""
+
+    def on_commit(self, info: BlockInfo, gen: str) -> None:
+        """Called before the block becomes visible; raising undoes the put."""
+
+    def on_change(self, info: BlockInfo, gen: str) -> None:
+        """The block's tiers changed (spilled to the file tier, memory copy dropped)."""
+
+    def on_remove(self, info: BlockInfo, gen: str, reason: str) -> None:
+        """The block is gone (``reason``: deleted, evicted, corrupt, undone)."""
+
+    def on_rebuild(self, blocks: list[tuple[BlockInfo, str]]) -> None:
+        """The index was rebuilt from the file tier at start: these blocks are all there is."""
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: BlockKey
+    size: int
+    checksum: int
+    gen: str
+    data: bytes | None = None  # memory copy
+    on_disk: bool = False
+    leases: int = 0
+    removed: bool = False
+
+    def info(self) -> BlockInfo:
+        tiers = ((MEMORY,) if self.data is not None else ()) + ((FILE,) if self.on_disk else ())
+        return BlockInfo(self.key, self.size, self.checksum, tiers)
+
+
+@dataclass
+class StoreStats:
+    memory_capacity_bytes: int
+    memory_used_bytes: int
+    file_capacity_bytes: int
+    file_used_bytes: int
+    blocks: int
+    blocks_memory: int
+    blocks_file: int
+    leases: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+_COUNTERS = ("puts", "puts_existing", "put_bytes", "gets_memory", "gets_file", "misses", "get_bytes",
+             "corrupt", "spills", "evictions_memory", "evictions_file", "deletes", "put_failures")
+
+
+@dataclass
+class _Plan:
+    spills: list[tuple[_Entry, bytes]] = field(default_factory=list)  # entry, its frame (taken under the lock)
+    file_deletes: list[BlockKey] = field(default_factory=list)
+    events: list[tuple[str, BlockInfo, str, str]] = field(default_factory=list)
+
+
+class Lease:
+    """A read lease on one block: eviction will not choose it until :meth:`release`.
+
+    ``read()`` returns the whole frame (verified: magic, version, key, length, checksum), without
+    holding the store's lock. Use as a context manager.
+    """
+
+    def __init__(self, store: BlockStore, entry: _Entry, data: bytes | None, reader: BlockReader | None) -> None:
+        self._store, self._entry, self._data, self._reader = store, entry, data, reader
+        self.key, self.size, self.checksum = entry.key, entry.size, entry.checksum
+        self.tier = MEMORY if data is not None else FILE
+        self._released = False
+
+    def read(self) -> bytes:
+        try:
+            if self._data is not None:
+                frame = self._data
+            else:
+                assert self._reader is not None
+                frame = self._reader.read()
+            verify_frame(frame, self.key)
+        except (BlockError, OSError) as exc:
+            self._store._discard_corrupt(self._entry, exc)
+            if isinstance(exc, BlockError):
+                raise
+            raise StoreIOError(f"reading block {self.key} from the file tier failed: {exc}") from exc
+        self._store._count("gets_memory" if self.tier == MEMORY else "gets_file", 1, len(frame))
+        return frame
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._reader is not None:
+                self._reader.close()
+            self._store._release(self._entry)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class BlockStore:
+    """Framed blocks in a memory tier of ``memory_bytes`` spilling to ``file_tier`` (capacity
+    ``file_bytes``). Thread-safe; file I/O happens outside the lock."""
+
+    def __init__(self, memory_bytes: int, file_tier: FileTier | None = None, file_bytes: int = 0, *,
+                 write_through: bool = False, max_block_bytes: int = 64 << 20,
+                 listener: BlockListener | None = None, persist_on_close: bool = True) -> None:
+        if memory_bytes < 0 or file_bytes < 0:
+            raise ValueError("tier capacities must be >= 0 bytes")
+        if write_through and file_tier is None:
+            raise ValueError("write_through needs a file tier")
+        self.memory = MemoryTier()
+        self.file = file_tier
+        self.memory_capacity = memory_bytes
+        self.file_capacity = file_bytes if file_tier is not None else 0
+        self.write_through = write_through
+        self.max_block_bytes = max_block_bytes
+        self.listener = listener
+        self.persist_on_close = persist_on_close
+        self._lock = threading.Lock()
+        self._index: dict[BlockKey, _Entry] = {}
+        self._pending: set[BlockKey] = set()
+        self._mem_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest first
+        self._file_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._mem_used = 0
+        self._file_used = 0
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+        if self.file is not None:
+            self._rebuild()
+
+    # ---- the LMCache-like interface ----
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, BlockKey) and self.contains(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def info(self, key: BlockKey) -> BlockInfo | None:
+        with self._lock:
+            e = self._index.get(key)
+            return e.info() if e is not None else None
+
+    def get(self, key: BlockKey) -> bytes | None:
+        """The verified frame of ``key``, or None on a miss. Raises BlockCorrupt (and discards the
+        block) if the stored bytes fail their checksum."""
+        lease = self.lease(key)
+        if lease is None:
+            return None
+        with lease:
+            return lease.read()
+
+    def lease(self, key: BlockKey) -> Lease | None:
+        """A read lease on ``key`` (None on a miss); release it when done (context manager)."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                self._counters["misses"] += 1
+                return None
+            data, reader = e.data, None
+            events: list[tuple[str, BlockInfo, str, str]] = []
+            if data is not None:
+                self._mem_lru.move_to_end(key)
+            else:
+                assert self.file is not None
+                try:
+                    reader = self.file.open(key)
+                except OSError as exc:
+                    self._unpublish_locked(e)
+                    self._counters["corrupt"] += 1
+                    events = [("remove", e.info(), e.gen, "corrupt")]
+                    log.error("block %s vanished from the file tier (%s); dropped from the index", key, exc)
+                    reader = None
+                else:
+                    self._file_lru.move_to_end(key)
+            if data is not None or reader is not None:
+                e.leases += 1
+                return Lease(self, e, data, reader)
+        self._emit(events)
+        return None
+
+    def put(self, key: BlockKey, frame: bytes) -> PutResult:
+        """Store the frame of ``key`` (verified first). Idempotent for identical bytes; raises
+        BlockExists for different bytes (blocks are immutable), BlockBusy while another put of the
+        key is in flight, BlockTooLarge, StoreFull, StoreIOError or IndexPublishError."""
+        if not isinstance(frame, bytes):
+            frame = bytes(frame)
+        size = len(frame)
+        if size > self.max_block_bytes:
+            raise BlockTooLarge(f"block of {size} bytes exceeds the store's maximum of {self.max_block_bytes}")
+        hdr = verify_frame(frame, key)
+        to_memory = size <= self.memory_capacity
+        write_file = self.write_through or not to_memory
+        if write_file and (self.file is None or size > self.file_capacity):
+            raise BlockTooLarge(f"block of {size} bytes does not fit the memory tier ({self.memory_capacity} bytes)"
+                                f" nor the file tier ({self.file_capacity} bytes)")
+        with self._lock:
+            if self._closed:
+                raise StoreIOError("the block store is closed")
+            e = self._index.get(key)
+            if e is not None:
+                if e.checksum == hdr.checksum and e.size == size:
+                    self._counters["puts_existing"] += 1
+                    return PutResult(e.info(), created=False)
+                raise BlockExists(f"block {key} is already stored with other bytes; blocks are immutable: "
+                                  "DELETE it first or write under a new key")
+            if key in self._pending:
+                raise BlockBusy(f"another PUT of block {key} is in flight; retry when it has finished")
+            plan = self._plan_room_locked(size, to_memory, write_file)
+            self._pending.add(key)
+        self._emit(plan.events)
+        gen = uuid.uuid4().hex
+        info = BlockInfo(key, size, hdr.checksum, ((MEMORY,) if to_memory else ()) + ((FILE,) if write_file else ()))
+        written = committed = False
+        try:
+            self._run_spills(plan)
+            for k in plan.file_deletes:
+                self._delete_file(k)
+            if write_file:
+                assert self.file is not None
+                try:
+                    self.file.write(key, frame)
+                except OSError as exc:
+                    raise StoreIOError(f"writing block {key} to the file tier failed: {exc}") from exc
+                written = True
+            if self.listener is not None:
+                try:
+                    self.listener.on_commit(info, gen)
+                except PlaneKVError:  # a typed refusal (e.g. FormatMismatch): passed on as is
+                    committed = True
+                    raise
+                except Exception as exc:
+                    committed = True  # it may have half-published: undo below
+                    raise IndexPublishError(f"publishing the metadata of block {key} failed ({exc}); "
+                                            "the write was undone, retry when the index is reachable") from exc
+        except BaseException:
+            with self._lock:
+                self._pending.discard(key)
+                self._counters["put_failures"] += 1
+                if to_memory:
+                    self._mem_used -= size
+                if write_file:
+                    self._file_used -= size
+            if written:
+                self._delete_file(key)
+            if committed and self.listener is not None:
+                self._emit([("remove", info, gen, "undone")])
+            raise
+        with self._lock:
+            e = _Entry(key, size, hdr.checksum, gen, data=frame if to_memory else None, on_disk=write_file)
+            self._index[key] = e
+            if to_memory:
+                self.memory.put(key, frame)
+                self._mem_lru[key] = e
+            if write_file:
+                self._file_lru[key] = e
+            self._pending.discard(key)
+            self._counters["puts"] += 1
+            self._counters["put_bytes"] += size
+        return PutResult(info, created=True)
+
+    def remove(self, key: BlockKey) -> bool:
+        """Delete ``key``; True if it was there. Reads holding a lease finish undisturbed."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                return False
+            on_disk = self._unpublish_locked(e)
+            self._counters["deletes"] += 1
+        if on_disk:
+            self._delete_file(key)
+        self._emit([("remove", e.info(), e.gen, "deleted")])
+        return True
+
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return list(self._index)
+
+    def infos(self) -> list[BlockInfo]:
+        with self._lock:
+            return [e.info() for e in self._index.values()]
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                memory_capacity_bytes=self.memory_capacity, memory_used_bytes=self._mem_used,
+                file_capacity_bytes=self.file_capacity, file_used_bytes=self._file_used,
+                blocks=len(self._index), blocks_memory=len(self._mem_lru), blocks_file=len(self._file_lru),
+                leases=sum(e.leases for e in self._index.values()), counters=dict(self._counters))
+
+    def close(self) -> None:
+        """Write blocks held only in memory to the file tier (if it has room), then refuse puts."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            todo = [e for e in self._mem_lru.values() if not e.on_disk] if self.persist_on_close else []
+        if self.file is None or not todo:
+            return
+        kept = lost = 0
+        for e in reversed(todo):  # most recently used first
+            with self._lock:
+                data = e.data
+                if e.removed or e.on_disk or data is None:
+                    continue
+                if self._file_used + e.size > self.file_capacity:
+                    lost += 1
+                    continue
+                self._file_used += e.size
+            try:
+                self.file.write(e.key, data)
+            except OSError as exc:
+                log.error("could not persist block %s at close: %s", e.key, exc)
+                with self._lock:
+                    self._file_used -= e.size
+                lost += 1
+                continue
+            with self._lock:
+                gone = e.removed
+                if not gone:
+                    e.on_disk = True
+                    self._file_lru[e.key] = e
+                else:
+                    self._file_used -= e.size
+            if gone:
+                self._delete_file(e.key)
+            else:
+                kept += 1
+        log.info("block store closed: %d memory-only blocks written to the file tier, %d did not fit", kept, lost)
+
+    # ---- internals (the lock is held where the name says _locked) ----
+
+    def _count(self, name: str, n: int, nbytes: int = 0) -> None:
+        with self._lock:
+            self._counters[name] += n
+            if nbytes:
+                self._counters["get_bytes"] += nbytes
+
+    def _release(self, e: _Entry) -> None:
+        with self._lock:
+            e.leases -= 1
+
+    def _unpublish_locked(self, e: _Entry) -> bool:
+        """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted."""
+        self._index.pop(e.key, None)
+        e.removed = True
+        if e.data is not None:
+            self.memory.pop(e.key)
+            self._mem_lru.pop(e.key, None)
+            self._mem_used -= e.size
+            e.data = None
+        on_disk = e.on_disk
+        if on_disk:
+            self._file_lru.pop(e.key, None)
+            self._file_used -= e.size
+            e.on_disk = False
+        return on_disk
+
+    def _plan_room_locked(self, size: int, to_memory: bool, write_file: bool) -> _Plan:
+        """Choose victims so the new block fits, apply the accounting, return the I/O to do."""
+        plan = _Plan()
+        victims: list[_Entry] = []
+        if to_memory:
+            need = self._mem_used + size - self.memory_capacity
+            if need > 0:
+                for e in self._mem_lru.values():
+                    if e.leases:
+                        continue
+                    victims.append(e)
+                    need -= e.size
+                    if need <= 0:
+                        break
+                if need > 0:
+                    raise StoreFull(
+                        f"memory tier full ({self._mem_used} of {self.memory_capacity} bytes) and the "
+                        "remaining blocks are leased by reads in flight; retry shortly or raise "
+                        "PLANEKV_STORE__MEMORY_BYTES")
+        victim_ids = {id(v) for v in victims}
+        free = self.file_capacity - self._file_used
+        file_cands = [e for e in self._file_lru.values() if not e.leases and id(e) not in victim_ids]
+        evictable = sum(e.size for e in file_cands)
+        new_file = size if write_file else 0
+        if new_file > free + evictable:
+            raise StoreFull(f"file tier full ({self._file_used} of {self.file_capacity} bytes) and the remaining "
+                            "blocks are leased; retry shortly or raise PLANEKV_STORE__FILE_BYTES")
+        budget = free + evictable - new_file
+        spills, lost, drop_copy = [], [], []
+        for v in reversed(victims):  # the most recently used victims get the file tier's room first
+            if v.on_disk:
+                drop_copy.append(v)
+            elif self.file is not None and v.size <= budget:
+                spills.append(v)
+                budget -= v.size
+            else:
+                lost.append(v)
+        need_file = new_file + sum(v.size for v in spills) - free
+        for e in file_cands:
+            if need_file <= 0:
+                break
+            self._unpublish_locked(e)
+            need_file -= e.size
+            plan.file_deletes.append(e.key)
+            plan.events.append(("remove", e.info(), e.gen, "evicted"))
+            self._counters["evictions_file"] += 1
+        for v in drop_copy:
+            self.memory.pop(v.key)
+            self._mem_lru.pop(v.key, None)
+            self._mem_used -= v.size
+            v.data = None
+            plan.events.append(("change", v.info(), v.gen, ""))
+        for v in lost:
+            self._unpublish_locked(v)
+            plan.events.append(("remove", v.info(), v.gen, "evicted"))
+            self._counters["evictions_memory"] += 1
+            log.warning("evicted block %s from memory with no room on the file tier: its data is lost", v.key)
+        for v in spills:
+            v.leases += 1  # pinned: no other put picks it
+            self._file_used += v.size
+            assert v.data is not None
+            plan.spills.append((v, v.data))
+        if to_memory:
+            self._mem_used += size
+        self._file_used += new_file
+        return plan
+
+    def _run_spills(self, plan: _Plan) -> None:
+        failure: BaseException | None = None
+        for v, data in plan.spills:
+            if failure is None:
+                try:
+                    assert self.file is not None
+                    self.file.write(v.key, data)
+                except OSError as exc:
+                    failure = exc
+                    with self._lock:
+                        v.leases -= 1
+                        self._file_used -= v.size
+                    continue
+            else:  # a previous spill failed: unpin the rest untouched
+                with self._lock:
+                    v.leases -= 1
+                    self._file_used -= v.size
+                continue
+            with self._lock:
+                v.leases -= 1
+                if v.removed:  # deleted while spilling: its file must go too
+                    self._file_used -= v.size
+                    delete, event = True, None
+                else:
+                    self.memory.pop(v.key)
+                    self._mem_lru.pop(v.key, None)
+                    self._mem_used -= v.size
+                    v.data = None
+                    v.on_disk = True
+                    self._file_lru[v.key] = v
+                    self._counters["spills"] += 1
+                    delete, event = False, ("change", v.info(), v.gen, "")
+            if delete:
+                self._delete_file(v.key)
+            if event is not None:
+                self._emit([event])
+        if failure is not None:
+            raise StoreIOError(f"spilling to the file tier failed: {failure}; check the spill directory's disk")
+
+    def _delete_file(self, key: BlockKey) -> None:
+        if self.file is not None:
+            try:
+                self.file.delete(key)
+            except OSError as exc:
+                log.error("could not delete the file of block %s: %s", key, exc)
+
+    def _discard_corrupt(self, e: _Entry, exc: BaseException) -> None:
+        with self._lock:
+            self._counters["corrupt"] += 1
+            if e.removed or self._index.get(e.key) is not e:
+                return
+            on_disk = self._unpublish_locked(e)
+        log.error("block %s failed verification on read (%s); discarded", e.key, exc)
+        if on_disk and self.file is not None:
+            self._quarantine(e.key)
+        self._emit([("remove", e.info(), e.gen, "corrupt")])
+
+    def _quarantine(self, key: BlockKey) -> None:
+        path = getattr(self.file, "path", None)
+        if callable(path):
+            p = path(key)
+            try:
+                os.replace(p, p.with_name(p.name + ".corrupt"))
+                return
+            except OSError:
+                pass
+        self._delete_file(key)
+
+    def _emit(self, events: list[tuple[str, BlockInfo, str, str]]) -> None:
+        if self.listener is None:
+            return
+        for kind, info, gen, reason in events:
+            try:
+                if kind == "change":
+                    self.listener.on_change(info, gen)
+                else:
+                    self.listener.on_remove(info, gen, reason)
+            except Exception as exc:  # best effort: the local index stays the truth for reads
+                log.warning("block index update (%s %s) failed: %s", kind, info.key, exc)
+
+    def _rebuild(self) -> None:
+        assert self.file is not None
+        scanned = sorted(self.file.scan(), key=lambda s: s.mtime)  # oldest first = LRU order
+        for s in scanned:
+            e = _Entry(s.key, s.size, s.header.checksum, uuid.uuid4().hex, on_disk=True)
+            self._index[s.key] = e
+            self._file_lru[s.key] = e
+            self._file_used += s.size
+        over = [e for e in self._file_lru.values()]
+        while self._file_used > self.file_capacity and over:
+            e = over.pop(0)
+            self._unpublish_locked(e)
+            self.file.delete(e.key)
+            self._counters["evictions_file"] += 1
+        if scanned:
+            log.info("block index rebuilt from %s: %d blocks, %d bytes", self.file.root, len(self._index),
+                     self._file_used)
+        if self.listener is not None:
+            try:
+                self.listener.on_rebuild([(e.info(), e.gen) for e in self._index.values()])
+            except Exception as exc:
+                raise IndexPublishError(f"publishing the rebuilt block index failed: {exc}") from exc
+
+
+__all__ = ["BlockCorrupt", "BlockInfo", "BlockListener", "BlockStore", "Lease", "PutResult", "StoreStats"]

@@ -1,0 +1,180 @@
+"""Real processes on free loopback ports: a redis-server, the control plane and the store service
+(uvicorn), each started once per session, waited for with a bounded loop and stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("redis")
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+TOKEN = "test-token-0123"
+START_TIMEOUT_S = 60.0
+
+if not os.path.exists(REDIS_SERVER):
+    pytest.skip("redis-server is not installed", allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    data_dir: Path | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text()[-3000:]
+        except OSError:
+            return ""
+
+
+def start_redis(workdir: Path) -> Proc:
+    port = free_port()
+    log = workdir / f"redis-{port}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(workdir)], stdout=out, stderr=subprocess.STDOUT)
+    p = Proc(proc, port, log)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited: {p.tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return p
+        except OSError:
+            pass
+        time.sleep(0.05)
+    p.stop(signal.SIGKILL)
+    raise TimeoutError(f"redis-server did not answer PING on {port}")
+
+
+def service_env(redis_url: str | None, data_dir: Path, token: str | None = TOKEN, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLANEKV_")}
+    env.update({"PLANEKV_DATA_DIR": str(data_dir), "PLANEKV_LOG_LEVEL": "WARNING"})
+    if redis_url:
+        env["PLANEKV_REDIS_URL"] = redis_url
+    if token:
+        env["PLANEKV_API_TOKEN"] = token
+    env.update(extra)
+    return env
+
+
+def start_service(cmd: list[str], port: int, env: dict[str, str], log: Path, data_dir: Path) -> Proc:
+    """Start ``cmd`` (which must serve /healthz on ``port``) and wait until it answers 200."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    p = Proc(proc, port, log, data_dir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{p.tail()}")
+        try:
+            if httpx.get(f"{p.url}/healthz", timeout=1.0).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    p.stop(signal.SIGKILL)
+    raise TimeoutError(f"{' '.join(cmd)} did not answer /healthz within {START_TIMEOUT_S} s:\n{p.tail()}")
+
+
+def start_store(data_dir: Path, redis_url: str | None, *args: str, port: int | None = None,
+                token: str | None = TOKEN, **env_extra: str) -> Proc:
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "planekv.services.store", "--port", str(port), *args]
+    if redis_url is None:
+        cmd.append("--no-redis-index")
+    return start_service(cmd, port, service_env(redis_url, data_dir, token, **env_extra),
+                         data_dir / f"store-{port}.log", data_dir)
+
+
+def start_control(data_dir: Path, redis_url: str, token: str | None = TOKEN) -> Proc:
+    port = free_port()
+    planekv = Path(sys.executable).with_name("planekv")
+    cmd = [str(planekv), "control", "--port", str(port)] if planekv.exists() else \
+        [sys.executable, "-m", "planekv.services.control", "--port", str(port)]
+    return start_service(cmd, port, service_env(redis_url, data_dir, token), data_dir / f"control-{port}.log",
+                         data_dir)
+
+
+def client(url: str, token: str | None = TOKEN) -> httpx.Client:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=30.0)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[Proc]:
+    p = start_redis(tmp_path_factory.mktemp("redis"))
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: Proc) -> str:
+    return f"redis://127.0.0.1:{redis_server.port}/0"
+
+
+@pytest.fixture(scope="session")
+def control(tmp_path_factory, redis_url: str) -> Iterator[Proc]:
+    p = start_control(tmp_path_factory.mktemp("control"), redis_url)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory, redis_url: str) -> Iterator[Proc]:
+    """A store with a 2 MiB memory tier and a 64 MiB file tier (so spilling is easy to provoke)."""
+    d = tmp_path_factory.mktemp("store")
+    p = start_store(d, redis_url, "--memory-bytes", str(2 << 20), "--file-bytes", str(64 << 20),
+                    "--spill-dir", str(d / "spill"), PLANEKV_STORE__MAX_BLOCK_BYTES=str(8 << 20))
+    yield p
+    p.stop()
+
+
+@pytest.fixture()
+def ctl(control: Proc) -> Iterator[httpx.Client]:
+    with client(control.url) as c:
+        yield c
+
+
+@pytest.fixture()
+def st(store: Proc) -> Iterator[httpx.Client]:
+    with client(store.url) as c:
+        yield c
