@@ -41,6 +41,8 @@ class FormatSpec:
     layout_version: int = LAYOUT_VERSION
 
     def __post_init__(self) -> None:
+        # 10000 and 10000.0 are one format: the canonical JSON must not depend on the number type
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
         for name in ("n_layers", "n_q_heads", "n_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

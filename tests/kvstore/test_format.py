@@ -57,3 +57,10 @@ def test_from_dict_rejects_unknown_fields():
 def test_non_power_of_two_head_dims_are_allowed():
     assert FormatSpec(**{**BASE, "head_dim": 96}).head_dim == 96
     assert FormatSpec(**{**BASE, "head_dim": 80}).head_dim == 80
+
+
+def test_integer_and_float_rope_theta_are_one_format() -> None:
+    from planekv.kvstore import FormatSpec
+
+    base = dict(model_id="m", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=64, calibration_id="c")
+    assert FormatSpec(**base, rope_theta=10000).format_id == FormatSpec(**base, rope_theta=10000.0).format_id
