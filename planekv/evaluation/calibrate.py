@@ -72,11 +72,9 @@ def register_with_control_plane(calibration: Calibration, url: str | None, token
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.calibrate", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from .common import job_main
+
+    return job_main("planekv.evaluation.calibrate", __doc__, add_arguments, run, argv)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

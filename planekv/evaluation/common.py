@@ -3,11 +3,12 @@ progress and the model/calibration setup."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..kvstore import Calibration, Codec
+from ..kvstore import Calibration, Codec, ReadPolicy
 from ..kvstore.baselines import KVSystem
 from ..kvstore.reference import ReadKV, make_system
 
@@ -25,6 +26,10 @@ T = TypeVar("T")
 # Every row of DESIGN section 7 (fixed-bit baselines at the bits matching R).
 ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant", "kivi", "sparq",
                "fp8")
+# Named variants (not rows of DESIGN section 7; evaluated on request):
+# readkv-flexible-hw = the flexible reader with ReadPolicy.value_head_weight.
+VARIANTS = ("readkv-flexible-hw",)
+FLEXIBLE = ("readkv-flexible", "readkv-flexible-hw")
 RATES = (4.0, 2.0)
 RATE_FREE = ("dense", "fp8")  # their read does not depend on R: one row each
 K_SHARE_FILE = "k_share.json"
@@ -95,14 +100,14 @@ def system_rows(names: Iterable[str], rates: Iterable[float],
     rows: list[SystemRow] = []
     rates = list(rates)
     for name in names:
-        if name not in ALL_SYSTEMS:
-            raise ValueError(f"unknown system {name!r}; known: {ALL_SYSTEMS}")
+        if name not in ALL_SYSTEMS + VARIANTS:
+            raise ValueError(f"unknown system {name!r}; known: {ALL_SYSTEMS + VARIANTS}")
         if name in RATE_FREE:
             rows.append(SystemRow(name, 16.0 if name == "dense" else 8.0))
             continue
         for r in rates:
             ks = None
-            if name == "readkv-flexible":
+            if name in FLEXIBLE:
                 ks = (k_share or {}).get(r, default_k_share(r))
             rows.append(SystemRow(name, r, ks))
     return rows
@@ -110,6 +115,11 @@ def system_rows(names: Iterable[str], rates: Iterable[float],
 
 def build_system(row: SystemRow, codec: Codec | None) -> KVSystem:
     """The KVSystem of a row (ReadKV rows need the codec)."""
+    if row.name == "readkv-flexible-hw":
+        if codec is None:
+            raise ValueError("readkv-flexible-hw needs a codec")
+        ks = row.k_share if row.k_share is not None else 0.5
+        return ReadKV(codec, ReadPolicy.flexible(row.rate, ks, codec.width, value_head_weight=True))
     if row.name == "readkv-flexible":
         return make_system(row.name, row.rate, codec, k_share=row.k_share if row.k_share is not None else 0.5)
     return make_system(row.name, row.rate, codec)
@@ -119,7 +129,8 @@ def label(row: SystemRow, system: KVSystem) -> str:
     if isinstance(system, ReadKV):
         pol = system.policy
         s = f"ReadKV (8,{row.rate:g}) {pol.reader}"
-        return s + (f" (K share {pol.k_share:g})" if pol.reader == "flexible" else "")
+        s += f" (K share {pol.k_share:g})" if pol.reader == "flexible" else ""
+        return s + (" + head weight" if pol.value_head_weight else "")
     return system.name
 
 
@@ -183,3 +194,13 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(obj, indent=2, default=str))
     return p
+
+
+def job_main(module: str, doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
+    """``python -m planekv.evaluation.<job>`` (also what a Ray job entrypoint runs): parse, log, run."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)

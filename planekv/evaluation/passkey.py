@@ -24,7 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .common import ALL_SYSTEMS, Setup, SystemRow, build_system, label, progress, system_rows, write_json
+from .common import (
+    ALL_SYSTEMS,
+    VARIANTS,
+    Setup,
+    SystemRow,
+    build_system,
+    label,
+    progress,
+    system_rows,
+    write_json,
+)
 from .perplexity import add_setup_arguments, parse_k_share
 from .texts import FILLER_TEXT, tokenize_text
 
@@ -210,7 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens (run in this order)")
     p.add_argument("--trials", nargs="+", type=int, default=[50],
                    help="trials per context (one value for all, or one per context)")
-    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS + VARIANTS)
     p.add_argument("--rates", nargs="+", type=float, default=[4.0, 2.0])
     p.add_argument("--long-systems", nargs="*", default=["dense", "readkv-flexible", "readkv-constrained"],
                    choices=ALL_SYSTEMS, help="systems at the longest context (empty: --systems)")
@@ -239,11 +249,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.passkey", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from .common import job_main
+
+    return job_main("planekv.evaluation.passkey", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,18 @@ from typing import Any
 
 import torch
 
-from .common import ALL_SYSTEMS, RATES, Setup, SystemRow, build_system, label, progress, system_rows, write_json
+from .common import (
+    ALL_SYSTEMS,
+    RATES,
+    VARIANTS,
+    Setup,
+    SystemRow,
+    build_system,
+    label,
+    progress,
+    system_rows,
+    write_json,
+)
 from .texts import TEST_TEXTS, tokenize_text, windows
 
 log = logging.getLogger(__name__)
@@ -98,7 +109,7 @@ def run_perplexity(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str] = T
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_setup_arguments(p)
-    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS + VARIANTS)
     p.add_argument("--rates", nargs="+", type=float, default=list(RATES))
     p.add_argument("--texts", nargs="+", default=list(TEST_TEXTS))
     p.add_argument("--window", type=int, default=2048, help="tokens per window")
@@ -144,11 +155,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.perplexity", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from .common import job_main
+
+    return job_main("planekv.evaluation.perplexity", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

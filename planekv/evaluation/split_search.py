@@ -27,9 +27,10 @@ GRID = (0.5, 0.625, 0.75, 0.875)
 
 
 def run_split_search(s: Setup, rates: Sequence[float] = RATES, grid: Sequence[float] = GRID, window: int = 2048,
-                     n_windows: int = 2, text: str = DEV_TEXT, row_chunk: int = 512) -> dict[str, Any]:
+                     n_windows: int = 2, text: str = DEV_TEXT, row_chunk: int = 512,
+                     system: str = "readkv-flexible") -> dict[str, Any]:
     """Dev perplexity for every (rate, K share); the chosen share per rate."""
-    rows = [SystemRow("readkv-flexible", r, phi) for r in rates for phi in grid]
+    rows = [SystemRow(system, r, phi) for r in rates for phi in grid]
     res = evaluate_rows(s, rows, [text], window, n_windows, row_chunk, desc="split search")
     chosen = {}
     for r in rates:
@@ -59,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--text", default=DEV_TEXT)
     p.add_argument("--row-chunk", type=int, default=512)
+    p.add_argument("--system", default="readkv-flexible", choices=["readkv-flexible", "readkv-flexible-hw"],
+                   help="the flexible reader, or its named variant with value_head_weight")
     p.add_argument("--freeze", action="store_true",
                    help=f"write the choice to planekv/evaluation/{k_share_path().name}")
 
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out)
     t0 = time.perf_counter()
-    res = run_split_search(s, args.rates, args.grid, args.window, args.windows, args.text, args.row_chunk)
+    res = run_split_search(s, args.rates, args.grid, args.window, args.windows, args.text, args.row_chunk,
+                           args.system)
     res["seconds"] = time.perf_counter() - t0
     res["calibration_id"] = s.calibration.calibration_id
     write_json(f"{args.out}/split_search.json", res)
@@ -79,11 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.split_search", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from .common import job_main
+
+    return job_main("planekv.evaluation.split_search", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -106,11 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m planekv.evaluation.suite", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from .common import job_main
+
+    return job_main("planekv.evaluation.suite", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ outputs within float32 tolerance, fresh random inputs, outputs poisoned before e
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ POLICIES = {
 }
 
 
+def assert_same_depths(kernel: torch.Tensor, ref: torch.Tensor, step: int = 1) -> None:
+    """Equal depths, except that gains within float32 rounding of lambda (the kernel ranks float32
+    gains, the reference float64) may swap one step between two items: at most one such swap."""
+    diff = (kernel.long() - ref.long()).flatten()
+    moved = diff[diff != 0]
+    assert moved.numel() in (0, 2), f"{moved.numel()} depths differ"
+    if moved.numel():
+        assert sorted(moved.tolist()) == [-step, step]
+
+
 def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64):
     syn = make_synthetic(n_tokens=max(lengths), n_rows=len(lengths), n_layers=1, n_q_heads=hq, n_kv_heads=hk,
                          head_dim=d, seed=seed)
@@ -36,19 +48,23 @@ def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_reader_matches_reference(name: str) -> None:
     policy = POLICIES[name]
-    codec, cache, q = _setup(seed=hash(name) % 1000, lengths=[150, 97])
+    codec, cache, q = _setup(seed=zlib.crc32(name.encode()) % 1000, lengths=[150, 97])
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
     reader = TritonReader(codec, policy)
     plan = reader.plan(2, 150, "cpu")
     plan.out.fill_(float("nan"))  # poison: every element must be written
     out, st = reader.decode(q, cache, 0, plan=plan)
     assert torch.isfinite(out).all()
-    assert torch.equal(st.k_depths, rst.k_depths)
+    assert_same_depths(st.k_depths, rst.k_depths)
+    swapped = False
     for b in range(2):
-        assert torch.equal(st.v_depths[b, :, : cache.length(0, b)], rst.extra["v_depths"][b])
-    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
+        kv, rv = st.v_depths[b, :, : cache.length(0, b)], rst.extra["v_depths"][b]
+        assert_same_depths(kv, rv, policy.v_packet)
+        swapped |= not torch.equal(kv, rv)
+    swapped |= not torch.equal(st.k_depths, rst.k_depths)
+    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)  # the budget, exactly
     rel = ((out - ref).norm() / ref.norm()).item()
-    assert rel < 1e-5, rel
+    assert rel < (1e-3 if swapped else 1e-5), rel
 
 
 def test_full_reader_kernel_is_attention_over_depth4() -> None:
