@@ -24,15 +24,18 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import load_data, run_demo
 
     console = Console(width=max(120, Console().width))
     t0 = time.perf_counter()
-    with console.status("encoding K/V and reading with every system ..."):
-        rows, facts = run_demo(n_tokens=args.tokens, batch=args.batch, n_layers=args.layers,
-                               rates=tuple(args.rates), seed=args.seed)
-    table = Table(title=f"Decode attention, synthetic K/V (T = {args.tokens}, batch {args.batch}, "
-                        f"{args.layers} layers, 9 q / 3 KV heads, d = 64)")
+    real = False if args.synthetic else (True if args.model else None)
+    with console.status("loading SmolLM2 and recording its attention inputs ...") as status:
+        layers = {} if args.layers is None else {"n_layers": args.layers}
+        data = load_data(real=real, n_tokens=args.tokens, n_steps=args.steps, calib_tokens=args.calib_tokens,
+                         seed=args.seed, **layers)
+        rows, facts = run_demo(data, rates=tuple(args.rates),
+                               progress=lambda s: status.update(f"reading with {s} ..."))
+    table = Table(title=f"Decode attention: {facts['source']}")
     for col in ("system", "target R", "bits read / scalar", "read % of fp16", "capacity bits",
                 "capacity % of fp16", "attn-output rel. error"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -41,9 +44,10 @@ def _demo(args: argparse.Namespace) -> int:
                       f"{r.capacity_bits:.2f}", f"{100 * r.capacity_bits / 16:.1f}", f"{r.rel_error:.4f}")
     console.print(table)
     console.print(
-        f"PlaneKV capacity: {facts['capacity_bytes'] / 2**20:.2f} MiB (W = 8, calibration and codebook "
-        f"included) vs {facts['dense_fp16_bytes'] / 2**20:.2f} MiB dense fp16; "
-        f"{facts['pages_in_use']} pages in use.")
+        f"One sequence of {facts['tokens']} tokens: PlaneKV stores "
+        f"{facts['capacity_bytes_one_sequence'] / 2**20:.2f} MiB "
+        f"(W = 8, calibration and codebook included) vs {facts['dense_fp16_bytes_one_sequence'] / 2**20:.2f} MiB "
+        f"dense fp16; {facts['pages_in_use']} pages in use for the decode steps.")
     console.print(f"Write amortization (N = 8192, L = 128, W = 8, R = 4): "
                   f"{100 * facts['write_amortization_8192_128_8_4']:.3f}% extra bits over bits read.")
     console.print(f"[dim]{time.perf_counter() - t0:.1f} s[/dim]")
@@ -60,11 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="encode K/V, read at several budgets with every system, print a table")
-    d.add_argument("--tokens", type=int, default=4096)
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--layers", type=int, default=2)
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--model", action="store_true",
+                     help="require the real model (SmolLM2); default: use it if installed")
+    src.add_argument("--synthetic", action="store_true", help="use synthetic K/V instead of the model")
+    d.add_argument("--tokens", type=int, default=2048, help="context tokens")
+    d.add_argument("--steps", type=int, default=4, help="decode steps (the last positions of the context)")
+    d.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (real model)")
+    d.add_argument("--layers", type=int, default=None,
+                   help="layers read (model: evenly spaced, default 10; synthetic: default 2)")
     d.add_argument("--rates", type=float, nargs="+", default=[4.0, 2.0])
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="synthetic data seed")
     d.add_argument("--json", help="also write the rows as JSON to this path")
     d.set_defaults(func=_demo)
 

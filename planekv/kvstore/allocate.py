@@ -68,14 +68,18 @@ def greedy_allocate(importance: Sequence[float], budget: int, distortion: Sequen
     return depth
 
 
+SORT_BELOW = 1 << 20  # CPU problems with fewer gains than this sort instead of bisecting
+
+
 def _kth_largest(prio_sorted: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Per row, the count-th largest value of a [rows, K, n] tensor whose rows are sorted ascending
     along the last axis, clamped at 0 (invalid entries are -1). Exact.
 
-    On CUDA one sort of the K*n values per row and a gather (a handful of launches); elsewhere a
-    bisection on the int64 pattern of float64 (cheaper than sorting on a CPU). Both return the
-    same float64 value: the smallest lambda >= 0 with fewer than ``count`` entries above it."""
-    if prio_sorted.is_cuda:
+    On CUDA, and for small problems on the CPU (a decode step), one sort of the K*n values per row
+    and a gather; for large CPU problems (teacher-forced passes) a bisection on the int64 pattern
+    of float64, cheaper than sorting there. Both return the same float64 value: the smallest
+    lambda >= 0 with fewer than ``count`` entries above it."""
+    if prio_sorted.is_cuda or prio_sorted.numel() <= SORT_BELOW:
         flat = prio_sorted.reshape(prio_sorted.shape[0], -1).sort(-1).values  # ascending
         idx = (flat.shape[1] - count.to(flat.device)).clamp(0, flat.shape[1] - 1)
         return flat.gather(1, idx[:, None])[:, 0].clamp_min(0.0)

@@ -120,13 +120,19 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     a = (qs * qs).sum(1).permute(1, 0, 2)  # [M, Hkv, d]: one importance per physical KV head
     t_dep = _allocate(a, bk, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d]
     k_codes = _codes_for(k_src, t_dep)[:, :t_max].long()  # [Hkv, T, d]
+    n_code = table.shape[1]
+    flat = table.reshape(-1)
     logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True).expand(hk, g, m, t_max).clone()
-    t_perm = t_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, d]
-    for tau in t_dep.unique().tolist():
-        if tau == 0:
-            continue  # depth 0 reconstructs mu, already in `logits`
-        kz = table[tau][k_codes]  # [Hkv, T, d]
-        logits += (qs * (t_perm == tau)) @ kz.transpose(1, 2)[:, None]
+    if m == 1:  # one row (a decode step): one gather at the per-channel depths
+        kz = flat[t_dep[0][:, None, :] * n_code + k_codes]  # [Hkv, T, d]
+        logits += qs @ kz.transpose(1, 2)[:, None]
+    else:  # rows have their own depths: one masked product per depth value
+        t_perm = t_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, d]
+        for tau in t_dep.unique().tolist():
+            if tau == 0:
+                continue  # depth 0 reconstructs mu, already in `logits`
+            kz = table[tau][k_codes]  # [Hkv, T, d]
+            logits += (qs * (t_perm == tau)) @ kz.transpose(1, 2)[:, None]
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
@@ -139,13 +145,17 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid)  # [M, Hkv, T]
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
     out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
-    s_perm = s_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, T]
-    acc = torch.zeros_like(out)
-    for tau in s_dep.unique().tolist():
-        if tau == 0:
-            continue
-        vz = table[tau][v_codes]  # [Hkv, T, d]
-        acc += (p * (s_perm == tau)) @ vz[:, None]
+    if m == 1:
+        vz = flat[s_dep[0][:, :, None] * n_code + v_codes]  # [Hkv, T, d]
+        acc = p @ vz[:, None]
+    else:
+        s_perm = s_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, T]
+        acc = torch.zeros_like(out)
+        for tau in s_dep.unique().tolist():
+            if tau == 0:
+                continue
+            vz = table[tau][v_codes]  # [Hkv, T, d]
+            acc += (p * (s_perm == tau)) @ vz[:, None]
     out = out + sig_v[:, None, None, :] * acc
     out = codec.rot_v.inverse(out).reshape(hq, m, d)
 

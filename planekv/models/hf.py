@@ -264,6 +264,8 @@ class ReadTally:
 _PENDING: contextvars.ContextVar[tuple[PlaneKVHFCache, int, str] | None] = contextvars.ContextVar(
     "planekv_pending", default=None)
 _TEACHER: contextvars.ContextVar[_TeacherForced | None] = contextvars.ContextVar("planekv_teacher", default=None)
+_CAPTURE: contextvars.ContextVar[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] | None] = \
+    contextvars.ContextVar("planekv_capture", default=None)
 
 
 class _PlaneKVLayer(DynamicLayer):
@@ -424,6 +426,19 @@ def teacher_forced(system: KVSystem, row_chunk: int = 512) -> Iterator[ReadTally
         _TEACHER.reset(token)
 
 
+@contextlib.contextmanager
+def capture_attention() -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]]:
+    """While active, a dense forward pass of a ``planekv``-attention model records, per layer, the
+    attention inputs of its first sequence: (q [Hq, N, d], k [Hkv, N, d] after RoPE, v [Hkv, N, d],
+    softmax scale), float32 on the CPU. The forward itself is unchanged."""
+    store: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+    token = _CAPTURE.set(store)
+    try:
+        yield store
+    finally:
+        _CAPTURE.reset(token)
+
+
 def _teacher_forced_attention(tf: _TeacherForced, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               scale: float, window: int | None) -> torch.Tensor:
     """q [Hq, N, d], k/v [Hkv, N, d] -> out [Hq, N, d] (float32)."""
@@ -474,6 +489,10 @@ def planekv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by PlaneKV readers")
 
+    cap = _CAPTURE.get()
+    if cap is not None:
+        cap[layer] = (query[0].detach().float().cpu(), key[0].detach().float().cpu(),
+                      value[0].detach().float().cpu(), scale)
     tf = _TEACHER.get()
     if tf is not None:
         if query.shape[0] != 1:

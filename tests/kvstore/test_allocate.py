@@ -207,3 +207,22 @@ def test_property_greedy_equals_threshold(a, frac, m, p):
     t = threshold_allocate(torch.tensor(a, dtype=torch.float64), budget, D, W, m, p)
     assert t.tolist() == g
     assert sum(g) == _spent(budget, len(a), m, p)
+
+
+def test_sort_and_bisection_paths_agree(monkeypatch) -> None:
+    """Small problems sort the gains, large ones bisect on float64 bit patterns: same depths."""
+    from planekv.kvstore import allocate as A
+    from planekv.kvstore.codebook import GaussianTree
+
+    dist = GaussianTree(8).distortion
+    g = torch.Generator().manual_seed(7)
+    for _ in range(60):
+        rows, n = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 60, (1,), generator=g))
+        a = torch.rand(rows, n, generator=g) * torch.randint(0, 3, (rows, n), generator=g)
+        a = torch.round(a * 3) / 3  # many exact ties
+        bud = torch.randint(0, 8 * n + 5, (rows,), generator=g)
+        monkeypatch.setattr(A, "SORT_BELOW", 1 << 30)
+        by_sort = A.threshold_allocate(a, bud, dist)
+        monkeypatch.setattr(A, "SORT_BELOW", 0)
+        by_bisection = A.threshold_allocate(a, bud, dist)
+        assert torch.equal(by_sort, by_bisection)
