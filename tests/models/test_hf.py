@@ -144,3 +144,34 @@ def test_triton_reader_decodes_like_the_reference(gemma):
     from planekv.kernels.reader import _READERS
 
     assert any(r.policy == pol for r in _READERS.values())  # the kernels really ran
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_decode_through_planekv(arch):
+    """Qwen2 (biased q/k/v projections) and Mistral (sliding-window config) decode with PlaneKV
+    through the same attention hook: generate() runs and every decode step reads the cache."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from .conftest import VOCAB, codec_for
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    else:
+        model = MistralForCausalLM(MistralConfig(**common, head_dim=16, sliding_window=None)).eval()
+    hf.use_planekv_attention(model)
+    codec = codec_for(model, 128)
+    ids = _prompt(24)
+    cache = hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(4.0)))
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, min_new_tokens=4,
+                             pad_token_id=0)
+    assert out.shape == (1, 28)
+    assert cache.tally.rows == 3 * 2  # 3 decode steps x 2 layers read the compressed cache
+    assert cache.tally.bits_per_scalar == pytest.approx(4.0, abs=0.05)
+    dense = _decode_logits(model, DynamicCache(config=model.config), ids, 3)
+    full = _decode_logits(model, hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(8.0))), ids, 3)
+    for d, f in zip(dense, full, strict=True):
+        assert float((f - d).norm() / d.norm()) < 2e-2
