@@ -26,10 +26,11 @@ def _pct(x: float | None, digits: int = 1) -> str:
 
 
 def _order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from .common import ALL_SYSTEMS
+    from .common import ALL_SYSTEMS, VARIANTS
 
+    order = ALL_SYSTEMS + VARIANTS
     return sorted(rows, key=lambda r: (-r["rate"] if r["name"] not in ("dense", "fp8") else -99,
-                                       ALL_SYSTEMS.index(r["name"])))
+                                       order.index(r["name"])))
 
 
 def markdown(out: str | Path) -> str:
