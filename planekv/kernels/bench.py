@@ -27,6 +27,7 @@ from ..kvstore import Codec, FormatSpec, PlaneKVCache, ReadPolicy, calibrate
 from ..kvstore.reference import readkv_rows
 from .encode import Encoder
 from .fp8 import FP8Decode, quantize_fp8
+from .decode import NPASS
 from .reader import Plan, TritonReader
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,10 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
     if reader.fixed_depth:
         ws = logits * 2  # written by the Key stage, read by the Value stage
     else:
-        ws = logits * 3 + 4.0 * hk * n * 5 + 1.0 * hk * n  # logits w+2r; vimp w+4r; vdep w
+        # logits: written, read by the importance pass and the Value stage; importance: written, read
+        # by radix passes 2..NPASS, the tie count and the Value stage; Value depths written
+        vimp_reads = NPASS.value - 1 + 2
+        ws = logits * 3 + 4.0 * hk * n * (1 + vimp_reads) + 1.0 * hk * n
     out = 4.0 * b * hq * d * 2 + 4.0 * b * hq * plan.n_blocks * d * 2
     return data + ws + out
 
