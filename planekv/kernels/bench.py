@@ -25,9 +25,9 @@ import torch
 
 from ..kvstore import Codec, FormatSpec, PlaneKVCache, ReadPolicy, calibrate
 from ..kvstore.reference import readkv_rows
+from .decode import NPASS
 from .encode import Encoder
 from .fp8 import FP8Decode, quantize_fp8
-from .decode import NPASS
 from .reader import Plan, TritonReader
 
 log = logging.getLogger(__name__)
