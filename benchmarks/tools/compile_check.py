@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -48,10 +49,17 @@ def compile_one(fn, sig: dict[str, str], consts: dict, num_warps: int = 4, sass_
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         open(os.path.join(sass_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", f"{fn.__name__}{tag}") + ".sass"), "w").write(sass)
-    print(f"{fn.__name__}{tag}: {info}; smem {k.metadata.shared} B; top ops {ops.most_common(8)}")
+    if res.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {fn.__name__}{tag}: {res.stderr}")
+    line = f"{fn.__name__}{tag}: {info}; smem {k.metadata.shared} B; top ops {ops.most_common(8)}"
+    print(line)
+    regs = re.search(r"Used (\d+) registers", info)
+    RESULTS.append({"kernel": f"{fn.__name__}{tag}", "registers": int(regs.group(1)) if regs else None,
+            "line": line})
 
 
 P32, PI = "*i32", "*fp32"
+RESULTS: list[dict] = []  # one record per kernel compiled by compile_one
 
 
 def main() -> None:
@@ -60,14 +68,30 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--geometries", default="32/8/128,9/3/64,4/1/256")
     ap.add_argument("--only", default="", help="comma-separated kernel names")
+    ap.add_argument("--all-radix-passes", action="store_true", help="compile passes 2..NPASS (default: 2, 3)")
+    ap.add_argument("--json", help="write one record per compiled kernel here")
     args = ap.parse_args()
-    sd, nw = args.sass_dir, args.num_warps
-    only = set(filter(None, args.only.split(",")))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    passes = tuple(range(2, K.NPASS.value + 1)) if args.all_radix_passes else (2, 3)
+    recs = compile_all(args.geometries, args.num_warps, set(filter(None, args.only.split(","))), args.sass_dir,
+                       radix_passes=passes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(recs, f, indent=1)
+
+
+def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: str | None = None,
+                radix_passes: tuple[int, ...] = (2, 3)) -> list[dict]:
+    """Compile every kernel for each "Hq/Hkv/d" geometry (flexible, constrained, full-4 variants);
+    returns one record per compiled kernel. Raises on the first kernel that does not compile."""
+    only = only or set()
+    RESULTS.clear()
 
     def want(fn) -> bool:
         return not only or fn.__name__ in only
 
-    for geo in args.geometries.split(","):
+    for geo in geometries.split(","):
         hq, hk, d = map(int, geo.split("/"))
         g = hq // hk
         gp = max(16, g)
@@ -100,7 +124,7 @@ def main() -> None:
                                 dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v, KS_PAD=kspv,
                                      HEAD_WEIGHT=True),
                                 num_warps=nw, sass_dir=sd, tag=t)
-                for pas in (2, 3):
+                for pas in radix_passes:
                     if want(K._value_radix):
                         compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, TMAX="i32",
                                                          RATE="fp64", BK="i32", BV_FIXED="i32"),
@@ -131,6 +155,8 @@ def main() -> None:
             compile_one(F._fp8_stage1, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr=PI, vs_ptr=PI,
                                             len_ptr=P32, m_ptr=PI, s_ptr=PI, acc_ptr=PI, scale="fp32", TMAX="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, NSPLIT=3, BT=64), sass_dir=sd, tag=tag)
+
+    return list(RESULTS)
 
 
 if __name__ == "__main__":

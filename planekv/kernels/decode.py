@@ -89,8 +89,7 @@ def _prefix(hist_ptr, count, upto: tl.constexpr):
     rem = count
     for pas in tl.static_range(1, upto + 1):
         dsel, rem = _select_digit(hist_ptr + (pas - 1) * NBINS, NBINS, rem)
-        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (pas - 1))
-        pref = (pref << WIDTH) | dsel
+        pref = (pref << min(RBITS, 31 - RBITS * (pas - 1))) | dsel  # (a constexpr can't be reassigned per pass)
     return pref, rem
 
 
