@@ -116,6 +116,13 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
                             sass_dir=sd, tag=t)
+            if name != "cons" and want(K._key_stage_t8):
+                compile_one(K._key_stage_t8, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kdep_ptr=P32,
+                                                  whi_ptr="*fp16", wlo_ptr="*fp16", base_ptr=PI, tabr_ptr=P32,
+                                                  logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, scale="fp32",
+                                                  SLOTS="i32", TMAX="i32"),
+                            dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
+                            sass_dir=sd, tag=t)
             vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
             if not fixed:
                 if want(K._value_hist):
@@ -137,11 +144,12 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             if want(K._value_stage):
                 compile_one(K._value_stage, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
                                                  sstat_ptr=PI, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
-                                                 tab_ptr=P32, spread_ptr="*i64", vdep_ptr="*i8", part_ptr=PI,
+                                                 tab_ptr=P32, tabr_ptr=P32, vdep_ptr="*i8", part_ptr=PI,
                                                  SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64", BK="i32",
                                                  BV_FIXED="i32"),
                             dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
-                                 NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, **vc),
+                                 NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, T8=d >= 256,
+                                 **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),

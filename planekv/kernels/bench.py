@@ -216,7 +216,7 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
 
 
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
-              k_share: float = 0.5, seed: int = 0, num_warps: int = 4,
+              k_share: float = 0.5, seed: int = 0, num_warps: int = 4, assembly: str = "transpose",
               progress: Callable[[str], None] | None = None) -> list[Row]:
     from ._dispatch import interpreting
 
@@ -242,7 +242,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         sdpa_ms = None
         for system in systems:
             try:
-                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps)
+                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -261,7 +261,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 
 
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float,
-         scalars: float, bytes_fp16: float, num_warps: int = 4) -> Row:
+         scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str = "transpose") -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -289,12 +289,12 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         return Row(shape.name, system, ms, None, 8.0, bytes_fp16 / 2, phys, phys / (bytes_fp16 / 2),
                    phys / ms / 1e9, info)
     if system == "full4":
-        reader = TritonReader(codec, fixed_depth=4, num_warps=num_warps)
+        reader = TritonReader(codec, fixed_depth=4, num_warps=num_warps, assembly=assembly)
     else:
         pol = _policy(system, k_share)
         if pol is None:
             raise ValueError(f"unknown system {system}")
-        reader = TritonReader(codec, pol, num_warps=num_warps)
+        reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly)
     plan = reader.plan(b, t, dev)
     s0 = sets[0]
     if check:

@@ -253,6 +253,86 @@ def _key_stage(kw_ptr, pt_ptr, len_ptr, kdep_ptr, whi_ptr, wlo_ptr, base_ptr, ta
     tl.store(sstat_ptr + sidx, s_run, mask=gvalid)
 
 
+@triton.jit
+def _transpose8(x):
+    """8x8 bit transpose of each int64: bit 8j + k <-> bit 8k + j (three delta swaps, ~30 SASS for 64
+    bits). With byte j holding plane j of 8 consecutive elements, byte k afterwards holds element k's
+    code with plane j at bit j. (Arithmetic right shifts are harmless: every mask stops below the
+    bits they fill.)"""
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AA
+    x = x ^ t ^ (t << 7)
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCC
+    x = x ^ t ^ (t << 14)
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0
+    return x ^ t ^ (t << 28)
+
+
+@triton.jit
+def _key_stage_t8(kb_ptr, pt_ptr, len_ptr, kdep_ptr, whi_ptr, wlo_ptr, base_ptr, tabr_ptr, logit_ptr,
+                  mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
+                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                  D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, PPK: tl.constexpr):
+    """The Key stage with word-level bit transposition. Program (b*Hkv + h, split) covers PPK pages
+    as one tile of M = PPK*P/8 rows (one row per page and byte of a plane row, i.e. 8 tokens) by D
+    channels: each plane below a channel's depth is one byte load per 8 tokens, OR-ed into byte j of
+    an int64; one 8x8 bit transpose per int64 then yields the 8 tokens' codes (plane j at bit j, so
+    the table ``tabr`` is indexed by the bit-reversed code). For each k < 8 the codes of tokens
+    8*row + k go through the table and three fp16 MMAs (hi*hi + hi*lo + lo*hi) into logits."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    T = _load_scalar(len_ptr + b)
+    n_pages = tl.cdiv(T, P)
+    NB: tl.constexpr = P // 8
+    M: tl.constexpr = PPK * NB
+    NCODE: tl.constexpr = 1 << W
+    NSPLIT = tl.num_programs(1)
+    cc = tl.arange(0, D)
+    gg = tl.arange(0, G_PAD)
+    mm = tl.arange(0, M)
+    gvalid = gg < G
+    pg = split * PPK + mm // NB  # page slot of each row
+    byte = mm % NB
+    pvalid = pg < n_pages
+    page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pvalid, other=0).to(tl.int64)  # [M]
+    tdep = tl.load(kdep_ptr + pid_bh * D + cc)  # [D]
+    t_max = tl.max(tdep, 0)
+    wrow = (b * HQ + h * G + gg[None, :]) * D + cc[:, None]  # [D, G_PAD]
+    w_hi = tl.load(whi_ptr + wrow, mask=gvalid[None, :], other=0.0)
+    w_lo = tl.load(wlo_ptr + wrow, mask=gvalid[None, :], other=0.0)
+    base = tl.load(base_ptr + b * HQ + h * G + gg, mask=gvalid, other=0.0)
+    x = tl.zeros([M, D], dtype=tl.int64)
+    for j in tl.static_range(W):
+        if j < t_max:  # uniform branch: planes no channel of this head reads cost nothing
+            addr = kb_ptr + ((page[:, None] * W + j) * D + cc[None, :]) * NB + byte[:, None]
+            bj = tl.load(addr, mask=pvalid[:, None] & (tdep[None, :] > j), other=0)  # [M, D] uint8
+            x = x | (bj.to(tl.int64) << (8 * j))
+    x = _transpose8(x)
+    tbase = tdep[None, :] * NCODE
+    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+    s_run = tl.zeros([G_PAD], tl.float32)
+    for k in range(8):  # a loop, not unrolled: eight unrolled slices exhaust the registers
+        code = ((x >> (8 * k)) & 0xFF).to(tl.int32)
+        z_hi, z_lo = _hi_lo(tl.load(tabr_ptr + tbase + code))  # [M, D]
+        lg = tl.dot(z_hi, w_hi)
+        lg = tl.dot(z_hi, w_lo, lg)
+        lg = tl.dot(z_lo, w_hi, lg)  # [M, G_PAD]
+        lg = tl.trans(lg)  # [G_PAD, M]
+        pos = pg * P + byte * 8 + k  # [M]
+        lg = (lg + base[:, None]) * scale
+        lg = tl.where(pos[None, :] < T, lg, float("-inf"))
+        tl.store(logit_ptr + (b * HQ + h * G + gg[:, None]) * TMAX + pos[None, :], lg,
+                 mask=gvalid[:, None] & (pos[None, :] < T))
+        m_new = tl.maximum(m_run, tl.max(lg, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(lg - m_safe[:, None]), 1)
+        m_run = m_new
+    sidx = (b * HQ + h * G + gg) * NSPLIT + split
+    tl.store(mstat_ptr + sidx, m_run, mask=gvalid)
+    tl.store(sstat_ptr + sidx, s_run, mask=gvalid)
+
+
 # ----------------------------------------------------------------------------- Value allocation
 
 
@@ -375,15 +455,18 @@ def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_
 
 @triton.jit
 def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
-                 tab_ptr, spread_ptr, vdep_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
+                 tab_ptr, tabr_ptr, vdep_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
                  USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
                  G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr):
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, T8: tl.constexpr):
     """Program (b*Hkv + h, block of BLK tokens): token depths from lambda (ties in (step, item)
-    order; FIXED_V > 0 gives every token that depth: the Full Reader), then per page the planes
-    each token needs (SPREAD reads build 8 codes at once), z = L_s[code] as fp16 hi/lo, and the
-    p-weighted sum with three fp16 MMAs into a float32 partial per block."""
+    order; FIXED_V > 0 gives every token that depth: the Full Reader), then per 32-token tile the
+    planes each token needs, z = L_s[code] as fp16 hi/lo, and the p-weighted sum with three fp16
+    MMAs into a float32 partial per block. Code assembly: T8 (set by the reader for D >= 256) loads
+    each plane byte once (8 channels) into byte j of an int64 and bit-transposes it, giving the
+    codes of channels 8b + k for k < 8 (one MMA accumulator per k); otherwise bit-serial, one byte
+    load per element."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     NBLK = tl.num_programs(1)
@@ -414,6 +497,16 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
     tok = tl.arange(0, 32)
     cc = tl.arange(0, D)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    NB8P: tl.constexpr = max(NB8, 16)
+    bb = tl.arange(0, NB8P)
+    acc0 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc1 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc2 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc3 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc4 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc5 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc6 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc7 = tl.zeros([G_PAD, NB8P], tl.float32)
     # 32-token tiles (half a 64-token page) keep the decode tile small in registers
     TPP: tl.constexpr = P // 32
     n_tiles = tl.cdiv(T, 32)
@@ -439,20 +532,59 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
             page = tl.load(pt_ptr + pid_bh * SLOTS + ti // TPP).to(tl.int64)
             off = (ti % TPP) * 32
             s_max = tl.max(s, 0)
-            codes = tl.zeros([32, D], dtype=tl.int32)
-            for j in tl.static_range(W):
-                if j < s_max:
-                    row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + (cc[None, :] // 8)
-                    byte = tl.load(row, mask=(s > j)[:, None], other=0).to(tl.int32)  # [32, D]: each element's byte
-                    codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
-            z_hi, z_lo = _hi_lo(tl.load(tab_ptr + s[:, None] * NCODE + codes))  # [32, D]
             p_hi, p_lo = _split16(_probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
-            acc = tl.dot(p_hi, z_hi, acc)
-            acc = tl.dot(p_hi, z_lo, acc)
-            acc = tl.dot(p_lo, z_hi, acc)
+            if T8:
+                x = tl.zeros([32, NB8P], dtype=tl.int64)
+                for j in tl.static_range(W):
+                    if j < s_max:
+                        row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + bb[None, :]
+                        bj = tl.load(row, mask=(s > j)[:, None] & (bb[None, :] < NB8), other=0)  # [32, NB8]
+                        x = x | (bj.to(tl.int64) << (8 * j))
+                x = _transpose8(x)
+                sb = s[:, None] * NCODE
+                acc0 = _v_slice(x, 0, sb, tabr_ptr, p_hi, p_lo, acc0)
+                acc1 = _v_slice(x, 1, sb, tabr_ptr, p_hi, p_lo, acc1)
+                acc2 = _v_slice(x, 2, sb, tabr_ptr, p_hi, p_lo, acc2)
+                acc3 = _v_slice(x, 3, sb, tabr_ptr, p_hi, p_lo, acc3)
+                acc4 = _v_slice(x, 4, sb, tabr_ptr, p_hi, p_lo, acc4)
+                acc5 = _v_slice(x, 5, sb, tabr_ptr, p_hi, p_lo, acc5)
+                acc6 = _v_slice(x, 6, sb, tabr_ptr, p_hi, p_lo, acc6)
+                acc7 = _v_slice(x, 7, sb, tabr_ptr, p_hi, p_lo, acc7)
+            else:
+                codes = tl.zeros([32, D], dtype=tl.int32)
+                for j in tl.static_range(W):
+                    if j < s_max:
+                        row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + (cc[None, :] // 8)
+                        byte = tl.load(row, mask=(s > j)[:, None], other=0).to(tl.int32)  # [32, D]
+                        codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
+                z_hi, z_lo = _hi_lo(tl.load(tab_ptr + s[:, None] * NCODE + codes))  # [32, D]
+                acc = tl.dot(p_hi, z_hi, acc)
+                acc = tl.dot(p_hi, z_lo, acc)
+                acc = tl.dot(p_lo, z_hi, acc)
     gg = tl.arange(0, G_PAD)
-    tl.store(part_ptr + (((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D + cc[None, :]), acc,
-             mask=gg[:, None] < G)
+    prow = ((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D
+    if T8:
+        msk = (gg[:, None] < G) & (bb[None, :] < NB8)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 0, acc0, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 1, acc1, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 2, acc2, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 3, acc3, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 4, acc4, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 5, acc5, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 6, acc6, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 7, acc7, mask=msk)
+    else:
+        tl.store(part_ptr + prow + cc[None, :], acc, mask=gg[:, None] < G)
+
+
+@triton.jit
+def _v_slice(x, K: tl.constexpr, sb, tabr_ptr, p_hi, p_lo, acc):
+    """Channels 8b + K of a bit-transposed Value tile: codes, table (bit-reversed index), 3 MMAs."""
+    code = ((x >> (8 * K)) & 0xFF).to(tl.int32)
+    z_hi, z_lo = _hi_lo(tl.load(tabr_ptr + sb + code))  # [32, NB8]
+    acc = tl.dot(p_hi, z_hi, acc)
+    acc = tl.dot(p_hi, z_lo, acc)
+    return tl.dot(p_lo, z_hi, acc)
 
 
 @triton.jit

@@ -138,3 +138,56 @@ def test_readkv_decode_is_a_drop_in_for_the_reference() -> None:
     out, st = triton_decode(q, cache, 0, codec, pol, scale=0.1)
     assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("pages_per_program,d", [(4, 256), (2, 64)])
+def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, d: int) -> None:
+    """Word-level transposition (one byte load per plane and 8 elements, an 8x8 bit transpose) in
+    the Key stage writes the same logits and softmax statistics as bit-serial assembly, and in the
+    Value stage (d >= 256) the same per-block partial sums, for sequences that end mid-page and
+    channels and tokens of every depth."""
+    codec, cache, q = _setup(seed=101 + pages_per_program, lengths=[150, 97, 64], d=d, hk=1 if d > 128 else 2)
+    policy = ReadPolicy.flexible(5.0)
+    ref, _ = readkv_decode(q, cache, 0, codec, policy)
+    runs = {}
+    for kind in ("serial", "transpose"):
+        reader = TritonReader(codec, policy, assembly=kind)
+        plan = reader.plan(3, 150, "cpu", pages_per_program=pages_per_program)
+        assert reader._transposing(cache.spec.page_size) == (kind == "transpose")
+        assert reader._value_transposing(d) == (kind == "transpose" and d >= 256)
+        plan.logits.fill_(float("nan"))
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs[kind] = (plan.logits.clone(), plan.mstat.clone(), plan.sstat.clone(), out.clone(), st, plan.part.clone())
+    (ls, ms, ss, out_s, sts, ps), (lt, mt, st_, ot, stt, pt) = runs["serial"], runs["transpose"]
+    assert int(stt.v_depths.max()) >= 4 and int((stt.v_depths[0, :, :150] == 0).sum()) > 0
+    torch.testing.assert_close(pt, ps, rtol=1e-5, atol=1e-6)
+    assert int(stt.k_depths.max()) >= 6 and int(stt.k_depths.min()) <= 2  # shallow and deep channels
+    for b, t in enumerate([150, 97, 64]):
+        assert torch.isfinite(lt[b, :, :t]).all()
+        torch.testing.assert_close(lt[b, :, :t], ls[b, :, :t], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mt, ms, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(st_, ss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(stt.v_depths, sts.v_depths)
+    assert ((ot - ref).norm() / ref.norm()).item() < 1e-5
+    assert ((ot - out_s).norm() / out_s.norm()).item() < 1e-6
+
+
+def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:
+    codec, cache, q = _setup(seed=5, lengths=[70])
+    reader = TritonReader(codec, ReadPolicy.flexible(4.0))
+    reader.plan(1, 70, "cpu", pages_per_program=1)
+    assert not reader._transposing(cache.spec.page_size)  # M = P / 8 < 16 rows: bit-serial kernel
+    with pytest.raises(ValueError, match="assembly"):
+        TritonReader(codec, assembly="lut")
+
+
+def test_reversed_table_is_indexed_by_bit_reversed_codes() -> None:
+    from planekv.kernels.reader import packed_table, reversed_table
+
+    codec, _, _ = _setup(seed=1, lengths=[8])
+    w = codec.width
+    tab, tabr = packed_table(codec).view(w + 1, -1), reversed_table(codec).view(w + 1, -1)
+    for t, c in [(3, 0b10100000), (8, 0b11010010), (1, 0b10000000), (5, 0b01101000)]:
+        rev = int(f"{c:0{w}b}"[::-1], 2)
+        assert tabr[t, rev] == tab[t, c]
