@@ -27,9 +27,14 @@ T = TypeVar("T")
 ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant", "kivi", "sparq",
                "fp8")
 # Named variants (not rows of DESIGN section 7; evaluated on request):
-# readkv-flexible-hw = the flexible reader with ReadPolicy.value_head_weight.
-VARIANTS = ("readkv-flexible-hw",)
-FLEXIBLE = ("readkv-flexible", "readkv-flexible-hw")
+# readkv-flexible-hw = the flexible reader with ReadPolicy.value_head_weight;
+# readkv-flexible-kv = the flexible reader with ReadPolicy.key_variance_correction;
+# readkv-flexible-sink = the flexible reader with ReadPolicy.sink_keys = 1.
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"readkv-flexible-hw": {"value_head_weight": True},
+                                              "readkv-flexible-kv": {"key_variance_correction": True},
+                                              "readkv-flexible-sink": {"sink_keys": 1}}
+VARIANTS = tuple(VARIANT_OPTIONS)
+FLEXIBLE = ("readkv-flexible", *VARIANTS)
 RATES = (4.0, 2.0)
 RATE_FREE = ("dense", "fp8")  # their read does not depend on R: one row each
 K_SHARE_FILE = "k_share.json"
@@ -115,11 +120,11 @@ def system_rows(names: Iterable[str], rates: Iterable[float],
 
 def build_system(row: SystemRow, codec: Codec | None) -> KVSystem:
     """The KVSystem of a row (ReadKV rows need the codec)."""
-    if row.name == "readkv-flexible-hw":
+    if row.name in VARIANT_OPTIONS:
         if codec is None:
-            raise ValueError("readkv-flexible-hw needs a codec")
+            raise ValueError(f"{row.name} needs a codec")
         ks = row.k_share if row.k_share is not None else 0.5
-        return ReadKV(codec, ReadPolicy.flexible(row.rate, ks, codec.width, value_head_weight=True))
+        return ReadKV(codec, ReadPolicy.flexible(row.rate, ks, codec.width, **VARIANT_OPTIONS[row.name]))
     if row.name == "readkv-flexible":
         return make_system(row.name, row.rate, codec, k_share=row.k_share if row.k_share is not None else 0.5)
     return make_system(row.name, row.rate, codec)
@@ -130,7 +135,9 @@ def label(row: SystemRow, system: KVSystem) -> str:
         pol = system.policy
         s = f"ReadKV (8,{row.rate:g}) {pol.reader}"
         s += f" (K share {pol.k_share:g})" if pol.reader == "flexible" else ""
-        return s + (" + head weight" if pol.value_head_weight else "")
+        s += " + head weight" if pol.value_head_weight else ""
+        s += " + key variance" if pol.key_variance_correction else ""
+        return s + (f" + {pol.sink_keys} sink key" if pol.sink_keys else "")
     return system.name
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .common import RATES, Setup, SystemRow, k_share_path, write_json
+from .common import FLEXIBLE, RATES, Setup, SystemRow, k_share_path, write_json
 from .perplexity import add_setup_arguments, evaluate_rows
 from .texts import DEV_TEXT
 
@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--text", default=DEV_TEXT)
     p.add_argument("--row-chunk", type=int, default=512)
-    p.add_argument("--system", default="readkv-flexible", choices=["readkv-flexible", "readkv-flexible-hw"],
-                   help="the flexible reader, or its named variant with value_head_weight")
+    p.add_argument("--system", default="readkv-flexible", choices=list(FLEXIBLE),
+                   help="the flexible reader, or one of its named variants (common.VARIANT_OPTIONS)")
     p.add_argument("--freeze", action="store_true",
                    help=f"write the choice to planekv/evaluation/{k_share_path().name}")
 

@@ -70,16 +70,28 @@ def _split(a: float, b: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def _variance(a: float, b: float) -> float:
+    """Var(Z | a < Z < b) = E[(Z - centroid)^2 | node], computed stably for narrow cells."""
+    mass = _mass(a, b)
+    c = _centroid(a, b)
+    # E[Z^2] - c^2 cancels badly for narrow tail cells; 1 + (a phi(a) - b phi(b)) / m - c^2 is the
+    # closed form, and it is clamped at 0 for cells narrower than float64 can resolve.
+    return max(0.0, 1.0 + (_xpdf(a) - _xpdf(b)) / mass - c * c)
+
+
 @cache
-def _build(depth: int) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...], tuple[float, ...]]:
-    """Levels per depth, split thresholds per depth, and D(0..depth)."""
+def _build(depth: int) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...], tuple[float, ...],
+                                tuple[tuple[float, ...], ...]]:
+    """Levels per depth, split thresholds per depth, D(0..depth), and node variances per depth."""
     intervals: list[tuple[float, float]] = [(-math.inf, math.inf)]
     levels: list[tuple[float, ...]] = []
     thresholds: list[tuple[float, ...]] = []
     distortion: list[float] = []
+    variances: list[tuple[float, ...]] = []
     for t in range(depth + 1):
         cents = [_centroid(a, b) for a, b in intervals]
         levels.append(tuple(cents))
+        variances.append(tuple(_variance(a, b) for a, b in intervals))
         # D(t) = sum over nodes of P(node) * Var(Z | node).
         distortion.append(
             sum(_mass(a, b) * (_second_moment(a, b) - c * c) for (a, b), c in zip(intervals, cents, strict=False))
@@ -89,7 +101,7 @@ def _build(depth: int) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float
         taus = [_split(a, b) for a, b in intervals]
         thresholds.append(tuple(taus))
         intervals = [iv for (a, b), tau in zip(intervals, taus, strict=False) for iv in ((a, tau), (tau, b))]
-    return tuple(levels), tuple(thresholds), tuple(distortion)
+    return tuple(levels), tuple(thresholds), tuple(distortion), tuple(variances)
 
 
 class GaussianTree:
@@ -104,7 +116,7 @@ class GaussianTree:
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"tree depth must be in 1..{MAX_DEPTH}, got {depth}")
         self.depth = depth
-        self._levels, self._thresholds, self._distortion = _build(depth)
+        self._levels, self._thresholds, self._distortion, self._variances = _build(depth)
 
     def levels(self, t: int) -> list[float]:
         """Sorted reconstruction values of the 2**t depth-t nodes (standard-normal units)."""
@@ -124,6 +136,13 @@ class GaussianTree:
         """The thresholds that split depth-t nodes into their children, in node order (t < depth)."""
         self._check_depth(t, 0, self.depth - 1)
         return list(self._thresholds[t])
+
+    def variances(self, t: int) -> list[float]:
+        """Var(Z | node) of the 2**t depth-t nodes, left to right (standard-normal units): the
+        conditional variance left around each reconstruction value. Tail nodes are wider, so their
+        variance is larger; ``sum_node P(node) Var(Z | node) = D(t)``."""
+        self._check_depth(t, 0)
+        return list(self._variances[t])
 
     @property
     def distortion(self) -> list[float]:
@@ -148,6 +167,17 @@ class GaussianTree:
         codes = torch.arange(n)
         rows = [
             torch.tensor(self._levels[t], dtype=torch.float64)[codes >> (self.depth - t)]
+            for t in range(self.depth + 1)
+        ]
+        return torch.stack(rows).float().to(device)
+
+    def variance_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Conditional-variance table [depth + 1, 2**depth] (float32), laid out like :meth:`table`:
+        ``variance_table()[t, code]`` is Var(Z | the depth-t node of the full-depth ``code``)."""
+        n = 1 << self.depth
+        codes = torch.arange(n)
+        rows = [
+            torch.tensor(self._variances[t], dtype=torch.float64)[codes >> (self.depth - t)]
             for t in range(self.depth + 1)
         ]
         return torch.stack(rows).float().to(device)

@@ -37,6 +37,7 @@ class Codec:
         self.rot_v = HadamardSign(spec.head_dim, spec.seed_v)
         self._boundaries = self.tree.boundaries()
         self._table = self.tree.table()
+        self._var_table = self.tree.variance_table()
 
     @property
     def width(self) -> int:
@@ -51,6 +52,13 @@ class Codec:
         if self._table.device != torch.device(device):
             self._table = self._table.to(device)
         return self._table
+
+    def variance_table(self, device: torch.device | str) -> torch.Tensor:
+        """Conditional-variance table [W + 1, 2**W] (float32) on ``device``, laid out like
+        :meth:`table` (``GaussianTree.variance_table``)."""
+        if self._var_table.device != torch.device(device):
+            self._var_table = self._var_table.to(device)
+        return self._var_table
 
     def stats(self, layer: int, kind: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(mu, sigma) [n_kv_heads, head_dim] of ``kind`` 'k' or 'v' for ``layer``."""

@@ -40,6 +40,18 @@ class ReadPolicy:
     # Value variance sum_c sigma_{V,c}^2, the factor the expected output error carries, so a pooled
     # budget favours heads whose Values vary more. No effect on per-head budgets.
     value_head_weight: bool = False
+    # Named deviation from DESIGN 1.5 (default off; reference reader only): a Key read at depth t is
+    # the conditional mean of its node, so the logit error given the codes has variance
+    # V_i = scale^2 sum_c (q~_c sigma_{K,c})^2 Var(Z | node(t_c, code_{i,c})), larger for tokens in
+    # the wide tail nodes. Adding V_i / 2 to logit i makes exp(logit) the conditional expectation
+    # E[exp(true logit) | codes] (second-order, Gaussian approximation of the error). Depth-0
+    # channels add the same V to every token and are skipped (the softmax ignores it).
+    key_variance_correction: bool = False
+    # Named deviation from DESIGN 1.5 (default 0; reference reader only): the Keys of the first
+    # ``sink_keys`` tokens a row reads (the attention sinks) are read at full depth W in every
+    # channel instead of the allocated channel depths. The extra Key bits are counted, and taken
+    # from the Value budget (rounded up to whole Value planes), so R stays the budget.
+    sink_keys: int = 0
 
     def __post_init__(self) -> None:
         given = (self.budget_k is not None, self.budget_v is not None)
@@ -60,6 +72,8 @@ class ReadPolicy:
         for name in ("min_depth_k", "min_depth_v"):
             if not 0 <= getattr(self, name) <= self.width:
                 raise BudgetError(f"{name} must be in 0..W={self.width}")
+        if self.sink_keys < 0:
+            raise BudgetError(f"sink_keys must be >= 0, got {self.sink_keys}")
         if self.v_packet < 1:
             raise BudgetError(f"v_packet must be >= 1, got {self.v_packet}")
 
@@ -102,6 +116,12 @@ class ReadPolicy:
         else:
             bk = int(round(2 * head_dim * self.rate * self.k_share))
         return min(bk, head_dim * self.width)
+
+    def reference_only_options(self) -> list[str]:
+        """Named options set here that only the torch reference reader implements (the kernels
+        do not; a caller that dispatches to them refuses such a policy)."""
+        out = ["key_variance_correction"] if self.key_variance_correction else []
+        return out + (["sink_keys"] if self.sink_keys else [])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

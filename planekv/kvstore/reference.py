@@ -61,16 +61,28 @@ def _row_budgets(policy: ReadPolicy, n_tokens: torch.Tensor, head_dim: int) -> t
 
 
 def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy, distortion: list[float],
-              min_depth: int, packet: int, valid: torch.Tensor | None) -> torch.Tensor:
-    """importance [M, Hkv, n], budget [M] per head -> depths [M, Hkv, n]; pooled or per head."""
+              min_depth: int, packet: int, valid: torch.Tensor | None,
+              spent: torch.Tensor | None = None) -> torch.Tensor:
+    """importance [M, Hkv, n], budget [M] per head -> depths [M, Hkv, n]; pooled or per head.
+
+    ``spent`` [M, Hkv] (planes of this stage's size already spent elsewhere, e.g. on sink Keys) is
+    taken from the budget (from the pooled sum when pooled), never below the minimum depths."""
     m, hk, n = importance.shape
+    dev = importance.device
+    floor = torch.full((m, hk), n, dtype=torch.int64) if valid is None else valid.sum(-1).cpu()
+    floor = floor * min_depth
     if policy.pool_heads:
         v = None if valid is None else valid.reshape(m, hk * n)
-        dep = threshold_allocate(importance.reshape(m, hk * n), budget.to(importance.device) * hk, distortion,
+        bud = budget.cpu() * hk
+        if spent is not None:
+            bud = torch.maximum(bud - spent.cpu().sum(1), floor.sum(1))
+        dep = threshold_allocate(importance.reshape(m, hk * n), bud.to(dev), distortion,
                                  policy.width, min_depth, packet, v)
         return dep.reshape(m, hk, n)
-    bud = budget.to(importance.device)[:, None].expand(m, hk)
-    return threshold_allocate(importance, bud, distortion, policy.width, min_depth, packet, valid)
+    bud = budget.cpu()[:, None].expand(m, hk)
+    if spent is not None:
+        bud = torch.maximum(bud - spent.cpu(), floor)
+    return threshold_allocate(importance, bud.to(dev), distortion, policy.width, min_depth, packet, valid)
 
 
 def _codes_for(src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], depths: torch.Tensor) -> torch.Tensor:
@@ -123,9 +135,17 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     n_code = table.shape[1]
     flat = table.reshape(-1)
     logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True).expand(hk, g, m, t_max).clone()
+    kvc = policy.key_variance_correction
+    if kvc:  # logit += scale * V / 2 before the scale: E[exp(logit) | codes], second order
+        var_tab = codec.variance_table(dev)
+        qv = (0.5 * scale) * qs * qs  # [Hkv, G, M, d]
     if m == 1:  # one row (a decode step): one gather at the per-channel depths
-        kz = flat[t_dep[0][:, None, :] * n_code + k_codes]  # [Hkv, T, d]
+        idx = t_dep[0][:, None, :] * n_code + k_codes  # [Hkv, T, d]
+        kz = flat[idx]
         logits += qs @ kz.transpose(1, 2)[:, None]
+        if kvc:  # depth-0 channels: the same variance for every token, skipped as below
+            kvar = var_tab.reshape(-1)[idx]
+            logits += (qv * (t_dep[0] > 0)[:, None, None, :]) @ kvar.transpose(1, 2)[:, None]
     else:  # rows have their own depths: one masked product per depth value
         t_perm = t_dep.permute(1, 0, 2)[:, None]  # [Hkv, 1, M, d]
         for tau in t_dep.unique().tolist():
@@ -133,6 +153,27 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
                 continue  # depth 0 reconstructs mu, already in `logits`
             kz = table[tau][k_codes]  # [Hkv, T, d]
             logits += (qs * (t_perm == tau)) @ kz.transpose(1, 2)[:, None]
+            if kvc:
+                logits += (qv * (t_perm == tau)) @ var_tab[tau][k_codes].transpose(1, 2)[:, None]
+    spent_v = None
+    sink_bits = torch.zeros(m, dtype=torch.float64)
+    if policy.sink_keys:  # the first sink_keys tokens of each row: Keys at full depth W
+        w = policy.width
+        ns = n_tok.clamp(max=policy.sink_keys)  # [M]
+        cols = torch.unique(torch.cat([torch.arange(int(s0), int(s0 + k)) for s0, k in zip(starts, ns, strict=True)]))
+        full = _codes_for(k_src, torch.full_like(t_dep, w))[:, cols].long()  # [Hkv, S, d]
+        sink_logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ table[w][full].transpose(1, 2)[:, None]
+        if kvc:
+            sink_logits += qv @ var_tab[w][full].transpose(1, 2)[:, None]
+            # the other tokens leave out depth-0 channels' variance (1 each, the same for all of
+            # them); leave it out here too so the softmax sees the same shift
+            sink_logits -= (qv * (t_dep.permute(1, 0, 2)[:, None] == 0)).sum(-1, keepdim=True)
+        in_sink = (cols[None, :] >= starts[:, None]) & (cols[None, :] < (starts + ns)[:, None])  # [M, S]
+        cols_d = cols.to(dev)
+        logits[..., cols_d] = torch.where(in_sink.to(dev), sink_logits, logits[..., cols_d])
+        extra = ns[:, None].to(torch.float64) * (w - t_dep.cpu()).sum(-1).double()  # [M, Hkv] extra Key bits
+        sink_bits = extra.sum(1)
+        spent_v = torch.ceil(extra / d).to(torch.int64)  # in Value planes (d bits each)
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
@@ -142,7 +183,7 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     if policy.value_head_weight:
         b = b * (sig_v * sig_v).sum(-1)[None, :, None]
     valid = mask[:, None, :].expand(m, hk, t_max)
-    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid)  # [M, Hkv, T]
+    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v)  # [M, Hkv, T]
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
     out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
     if m == 1:
@@ -160,7 +201,7 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     out = codec.rot_v.inverse(out).reshape(hq, m, d)
 
     stats = ReadStats(
-        k_bits=(n_tok.to(torch.float64) * t_dep.sum((1, 2)).cpu().double()),
+        k_bits=(n_tok.to(torch.float64) * t_dep.sum((1, 2)).cpu().double()) + sink_bits,
         v_bits=(d * s_dep.sum((1, 2)).cpu().double()),
         tokens=n_tok.double(),
         n_kv_heads=hk,

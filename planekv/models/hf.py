@@ -328,6 +328,10 @@ class PlaneKVHFCache(Cache):
         self.is_readkv = isinstance(system, reference.ReadKV)
         self.reader_name = reader
         self.reader = get_reader(reader) if self.is_readkv else None
+        if self.is_readkv and reader != "reference":
+            ref_only = system.policy.reference_only_options()  # type: ignore[attr-defined]
+            if ref_only:
+                raise ValueError(f"ReadPolicy options {ref_only} are implemented by the reference reader only")
         self.pages: PlaneKVCache | None = None
         if self.is_readkv:
             codec: Codec = system.codec  # type: ignore[attr-defined]

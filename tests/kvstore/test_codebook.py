@@ -208,3 +208,32 @@ def test_lloyd_max():
         assert _flat_distortion(lv, th) < tree.distortion[b] - 1e-5
     with pytest.raises(ValueError):
         lloyd_max_levels(0)
+
+
+def test_node_variances_monte_carlo_and_distortion(tree):
+    """variances(t) are Var(Z | node) of N(0, 1): checked by Monte Carlo at depths 1-3 and on the
+    depth-8 leaves, their mass-weighted mean is D(t), tail nodes are the widest, and the table is laid
+    out like table()."""
+    g = torch.Generator().manual_seed(20261201)
+    z = torch.randn(2_000_000, generator=g, dtype=torch.float64)
+    leaf = torch.bucketize(z, tree.boundaries().double())
+    for t in (1, 2, 3, 8):
+        node = leaf >> (8 - t)
+        n = torch.bincount(node, minlength=2**t).double()
+        s = torch.bincount(node, weights=z, minlength=2**t)
+        s2 = torch.bincount(node, weights=z * z, minlength=2**t)
+        ok = n >= 5000
+        var = s2[ok] / n[ok] - (s[ok] / n[ok]) ** 2
+        want = torch.tensor(tree.variances(t), dtype=torch.float64)[ok]
+        assert torch.allclose(var, want, rtol=0.05, atol=1e-6), (t, var[:4], want[:4])
+        vs = tree.variances(t)
+        assert min(vs[0], vs[-1]) == pytest.approx(max(vs), rel=1e-12)  # the tails are the widest nodes
+        edges = [-math.inf, *tree.thresholds(t), math.inf]
+        mass = [_phi(b) - _phi(a) for a, b in pairwise(edges)]
+        assert sum(m * v for m, v in zip(mass, vs, strict=True)) == pytest.approx(tree.distortion[t], rel=1e-6)
+    assert tree.variances(0) == [pytest.approx(1.0)]
+    tab = tree.variance_table()
+    codes = torch.arange(256)
+    for t in range(MAX_DEPTH + 1):
+        want = torch.tensor(tree.variances(t), dtype=torch.float64)[codes >> (8 - t)].float()
+        assert torch.equal(tab[t], want)

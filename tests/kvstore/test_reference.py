@@ -196,7 +196,12 @@ def test_mqa(synthetic):
     torch.testing.assert_close(dec[0], out[:, 0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", [ReadPolicy.flexible(3.0), ReadPolicy.constrained(2.0)], ids=["flex", "constr"])
+@pytest.mark.parametrize("policy", [
+    ReadPolicy.flexible(3.0), ReadPolicy.constrained(2.0),
+    ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True), ReadPolicy.flexible(2.0, 0.8, sink_keys=2),
+    ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True, sink_keys=3),
+    ReadPolicy.constrained(2.0, sink_keys=1)],
+    ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink"])
 def test_teacher_forced_rows_equal_decode_steps(synthetic, gen, policy):
     n = 70  # crosses the 64-token page boundary
     codec, q, k, v, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
@@ -384,3 +389,70 @@ def test_value_head_weight_moves_value_bits_to_the_head_with_more_variance() -> 
     v0, v1 = st0.extra["v_depths"][0], st1.extra["v_depths"][0]
     assert v1.sum() == v0.sum()  # the same budget
     assert v1[1].sum() > v0[1].sum() and v1[1].sum() > v1[0].sum()
+
+
+def _manual_full_value_read(codec, q, kc, vc, k_depth, scale, var_correction=False, sink=0):
+    """Attention of one query row over codes, Keys at per-channel depths ``k_depth`` [Hkv, d] (the
+    first ``sink`` tokens at depth 8), every Value at depth 8, written out from the definitions."""
+    hq, d = q.shape[0], q.shape[-1]
+    hk = kc.shape[0]
+    g = hq // hk
+    tab, var = codec.tree.table().double(), codec.tree.variance_table().double()
+    mu_k, sig_k = (x.double() for x in codec.stats(0, "k"))
+    mu_v, sig_v = (x.double() for x in codec.stats(0, "v"))
+    dep = k_depth[:, None, :].expand(kc.shape).clone()  # [Hkv, T, d]
+    dep[:, :sink] = 8
+    khat = mu_k[:, None] + sig_k[:, None] * tab[dep, kc.long()]
+    qt = codec.rot_k.forward(q.float()).double().reshape(hk, g, d)
+    logits = scale * torch.einsum("hgd,htd->hgt", qt, khat)
+    if var_correction:  # + Var/2, Var = scale^2 sum_c (q~_c sigma_c)^2 Var(Z | node)
+        qs2 = (qt * sig_k[:, None]) ** 2
+        logits = logits + 0.5 * scale**2 * torch.einsum("hgd,htd->hgt", qs2, var[dep, kc.long()])
+    p = torch.softmax(logits, -1)
+    vhat = mu_v[:, None] + sig_v[:, None] * tab[8][vc.long()]
+    out = torch.einsum("hgt,htd->hgd", p, vhat).float()
+    return codec.rot_v.inverse(out).reshape(hq, d)
+
+
+def test_key_variance_correction_adds_half_the_logit_variance(synthetic):
+    """With every Value read at depth 8, the output is softmax(logits + Var/2) over the Key
+    reconstruction, Var from the node variances of each token's codes; and the correction changes
+    the output (it is not a no-op on this data)."""
+    n = 120
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
+    base = dict(rate=None, budget_k=150, budget_v=8 * n, reader="flexible")
+    scale = 0.2
+    out, st = readkv_rows(q, kc, vc, codec, 0, ReadPolicy(**base, key_variance_correction=True),
+                          torch.tensor([n]), scale=scale)
+    plain, st0 = readkv_rows(q, kc, vc, codec, 0, ReadPolicy(**base), torch.tensor([n]), scale=scale)
+    assert torch.equal(st.k_depths, st0.k_depths)  # the correction does not move any depth ...
+    dep = st.k_depths[0]
+    assert 0 < int((dep == 0).sum()) and int((dep > 0).sum()) > 0
+    want = _manual_full_value_read(codec, q[:, 0], kc, vc, dep, scale, var_correction=True)
+    torch.testing.assert_close(out[:, 0], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(plain[:, 0], _manual_full_value_read(codec, q[:, 0], kc, vc, dep, scale),
+                               rtol=1e-4, atol=1e-5)
+    assert _rel(out, plain) > 1e-3  # ... but it changes the output
+
+
+@pytest.mark.parametrize("sink", [1, 3])
+def test_sink_keys_read_at_full_depth_and_paid_from_the_value_budget(synthetic, sink):
+    n = 120
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
+    scale = 0.2
+    # Values: full depth is affordable even after the sink's extra Key bits
+    pol = ReadPolicy(rate=None, budget_k=150, budget_v=8 * n, reader="flexible", sink_keys=sink)
+    out, st = readkv_rows(q, kc, vc, codec, 0, pol, torch.tensor([n]), scale=scale)
+    dep = st.k_depths[0]
+    want = _manual_full_value_read(codec, q[:, 0], kc, vc, dep, scale, sink=sink)
+    torch.testing.assert_close(out[:, 0], want, rtol=1e-4, atol=1e-5)
+    extra = sink * (8 - dep).sum()  # Key bits on top of the channel depths
+    assert float(st.k_bits[0]) == float(n * dep.sum() + extra)
+    # at a rate, the extra Key bits come out of the Value budget: the total stays within it
+    for rate in (0.5, 2.0, 4.0):
+        pol_r = ReadPolicy.flexible(rate, 0.75, sink_keys=sink)
+        _, st_r = readkv_rows(q, kc, vc, codec, 0, pol_r, torch.tensor([n]))
+        _, st_p = readkv_rows(q, kc, vc, codec, 0, ReadPolicy.flexible(rate, 0.75), torch.tensor([n]))
+        total, budget = float(st_r.total_bits[0]), float(st_p.total_bits[0])
+        assert budget - 2 * D_HEAD < total <= budget  # rounded to whole Value planes per head
+        assert float(st_r.k_bits[0]) > float(st_p.k_bits[0])

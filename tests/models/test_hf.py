@@ -129,6 +129,18 @@ def test_reader_table():
         hf.get_reader("nonexistent")
 
 
+def test_reference_only_options_refuse_other_readers(llama):
+    """The kernels do not implement key_variance_correction or sink_keys: a cache that would send
+    such a policy to them refuses it instead of silently reading without the option."""
+    model, codec = llama
+    for kw in ({"key_variance_correction": True}, {"sink_keys": 1}):
+        pol = ReadPolicy.flexible(2.0, **kw)
+        with pytest.raises(ValueError, match="reference reader only"):
+            hf.make_cache(model, ReadKV(codec, pol), reader="triton")
+        assert hf.make_cache(model, ReadKV(codec, pol)).reader is reference.readkv_decode
+    assert ReadPolicy.flexible(2.0).reference_only_options() == []
+
+
 def test_triton_reader_decodes_like_the_reference(gemma):
     """reader="triton" (the kernels, through Triton's interpreter without a GPU) gives the decode
     logits of the reference reader; Gemma3's full-attention layer goes through it (head_dim 32)."""
