@@ -53,7 +53,8 @@ def markdown(out: str | Path) -> str:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in _order(ppl["rows"]):
             rate = "16" if r["name"] == "dense" else ("8" if r["name"] == "fp8" else f"{r['rate']:g}")
-            chg = "" if r["name"] == "dense" else f"{r['ppl_change_pct']:+.2f}%"
+            pct = r.get("ppl_change_pct")
+            chg = "" if r["name"] == "dense" or pct is None else f"{pct:+.2f}%"  # no dense row: no change
             cells = [r["label"], rate, f"{r['ppl']:.4f}", chg, _pct(r["read_fraction"]), _pct(r["capacity_fraction"])]
             for c in contexts:
                 p = pk_rows.get((r["key"], c))

@@ -34,6 +34,20 @@ def test_calibration_artifact_round_trips(calib_path):
     assert Calibration.from_bytes(c.to_bytes()).calibration_id == c.calibration_id
 
 
+def test_perplexity_job_without_dense_row_and_with_variants(tiny_model_dir, calib_path, tmp_path):
+    """A dev-text comparison of flexible variants (no dense row) still writes its report; each named
+    variant reads at the budget."""
+    rc = perplexity.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                          "--window", "64", "--windows", "1", "--texts", "mansfield_park", "--systems",
+                          "readkv-flexible-kv", "readkv-flexible-sink", "--rates", "2", "--device", "cpu"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "perplexity.json").read_text())["rows"]
+    assert {r["name"] for r in rows} == {"readkv-flexible-kv", "readkv-flexible-sink"}
+    assert all(r["ppl_change_pct"] is None and r["read_fraction"] <= 2 / 16 + 1e-9 for r in rows)
+    md = (tmp_path / "report.md").read_text()
+    assert "+ key variance" in md and "+ 1 sink key" in md
+
+
 def test_perplexity_job_writes_outputs(tiny_model_dir, calib_path, tmp_path):
     rc = perplexity.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
                           "--window", "96", "--windows", "1", "--texts", "pride_and_prejudice",
