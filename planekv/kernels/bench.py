@@ -67,10 +67,17 @@ class Row:
     check: dict[str, Any] = field(default_factory=dict)
 
 
-def _policy(system: str, k_share: float) -> ReadPolicy | None:
+def _policy(system: str, k_share: float | None) -> ReadPolicy | None:
+    """The policy of a ReadKV system; the flexible reader's K share is ``k_share``, or when None the
+    share frozen by the split search for that rate (the configuration the kernels run by default)."""
+    from ..evaluation.common import default_k_share
+
+    def ks(rate: float) -> float:
+        return default_k_share(rate) if k_share is None else k_share
+
     return {
-        "readkv-flex-r4": ReadPolicy.flexible(4.0, k_share),
-        "readkv-flex-r2": ReadPolicy.flexible(2.0, k_share),
+        "readkv-flex-r4": ReadPolicy.flexible(4.0, ks(4.0)),
+        "readkv-flex-r2": ReadPolicy.flexible(2.0, ks(2.0)),
         "readkv-cons-r4": ReadPolicy.constrained(4.0),
         "readkv-cons-r2": ReadPolicy.constrained(2.0),
     }.get(system)
@@ -210,13 +217,25 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
         # logits: written, read by the importance pass and the Value stage; importance: written, read
         # by radix passes 2..NPASS, the tie count and the Value stage; Value depths written
         vimp_reads = NPASS.value - 1 + 2
-        ws = logits * 3 + 4.0 * hk * n * (1 + vimp_reads) + 1.0 * hk * n
+        ws = logits * 2 + 4.0 * hk * n * (1 + vimp_reads) + 1.0 * hk * n
+        if reader.compact_values:
+            # the Value stage reads the logits of depth > 0 tokens only: every 32-byte sector (8
+            # tokens) of a query head's row holding one; and writes and reads a 2-byte key per token
+            tok = torch.arange(vdep.shape[2], device=vdep.device)
+            mask = tok[None, None, :] < lengths.to(vdep.device)[:, None, None]
+            live = (vdep.long() * mask) > 0
+            pad = -live.shape[2] % 8
+            sectors = torch.nn.functional.pad(live, (0, pad)).reshape(b, hk, -1, 8).any(-1).sum()
+            ws += float(sectors) * 32 * (hq // hk) + 4.0 * float(live.sum())
+        else:
+            ws += logits
     out = 4.0 * b * hq * d * 2 + 4.0 * b * hq * plan.n_blocks * d * 2
     return data + ws + out
 
 
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
-              k_share: float = 0.5, seed: int = 0, num_warps: int = 4, assembly: str = "transpose",
+              k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str = "transpose",
+              compact_values: bool | None = None,
               progress: Callable[[str], None] | None = None) -> list[Row]:
     from ._dispatch import interpreting
 
@@ -242,7 +261,8 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         sdpa_ms = None
         for system in systems:
             try:
-                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly)
+                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly,
+                           compact_values)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -260,8 +280,9 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
     return rows
 
 
-def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float,
-         scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str = "transpose") -> Row:
+def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
+         scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str = "transpose",
+         compact_values: bool | None = None) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -294,7 +315,7 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         pol = _policy(system, k_share)
         if pol is None:
             raise ValueError(f"unknown system {system}")
-        reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly)
+        reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values)
     plan = reader.plan(b, t, dev)
     s0 = sets[0]
     if check:

@@ -18,6 +18,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
     shapes = args.shapes or list(SHAPES)
     rows = run_bench(shapes, args.systems or list(SYSTEMS), reps=args.reps, check=not args.no_check,
                      k_share=args.k_share, num_warps=args.num_warps, assembly=args.assembly,
+                     compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
@@ -39,10 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: all")
     a.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all")
     a.add_argument("--reps", type=int, default=30, help="graph replays per system (median)")
-    a.add_argument("--k-share", type=float, default=0.5, help="flexible reader's K share of the bits")
+    a.add_argument("--k-share", type=float, default=None,
+                   help="flexible reader's K share of the bits (default: the share frozen for each rate, "
+                        "planekv/evaluation/k_share.json)")
     a.add_argument("--num-warps", type=int, default=4, help="warps per program of the Key and Value stages")
     a.add_argument("--assembly", choices=("transpose", "serial"), default="transpose",
                    help="code assembly in the Key and Value stages: bit transposition (default) or bit-serial")
+    a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",
+                   help="Value stage over the depth > 0 tokens sorted by depth (on), every 32-token tile (off), "
+                        "or the reader's measured choice (auto)")
     a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")
     a.add_argument("--json", help="write rows and metadata here")
     a.set_defaults(func=_bench_attention)

@@ -578,6 +578,129 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
 
 
 @triton.jit
+def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
+                   tab_ptr, tabr_ptr, vdep_ptr, vord_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
+                   USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
+                   G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                   BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+                   PACKET: tl.constexpr, NT_PAD: tl.constexpr, T8: tl.constexpr):
+    """The Value stage with token compaction. Program (b*Hkv + h, block of BLK tokens): the depths of
+    the whole block at once (as in :func:`_value_stage`), then the tokens with depth > 0 sorted by
+    depth, deepest first (one int16 key per token: (W - depth) << 11 | position in the block,
+    written to ``vord`` and read back in 32-token tiles). A depth-0 token reconstructs to the
+    channel mean, which the combine step adds once for all, so it costs nothing here; and sorted
+    tiles hold tokens of (nearly) one depth, so a tile reads the planes its tokens need rather than
+    those of its deepest token. Decoding per tile as in :func:`_value_stage`, with a page per
+    token. The reader uses it where it measured faster (``TritonReader.compact_values``)."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    kk = tl.arange(0, KS_PAD)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+    lam = tl.where(count > 0, lam, 0x7FFFFFFF)
+    need = tl.where(count > 0, need, 0)
+    NT = HG * NBLK
+    tt = tl.arange(0, NT_PAD)
+    me = hl * NBLK + blk
+    tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
+    per_k = tl.sum(tie, 0)  # [KS_PAD]
+    run = tl.cumsum(per_k, 0) - per_k + tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
+    # depths of the block's tokens, ties at lambda in (step, item) order
+    lp = tl.arange(0, BLK)
+    pos = blk * BLK + lp
+    valid = pos < T
+    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+    key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+    ok = kok[:, None] & valid[None, :]
+    strict = tl.sum(((key > lam) & ok).to(tl.int32), 0)
+    eq = ((key == lam) & ok).to(tl.int32)  # [KS_PAD, BLK]
+    rank = run[:, None] + tl.cumsum(eq, 1) - eq
+    taken = tl.sum(((eq > 0) & (rank < need)).to(tl.int32), 0)
+    s = tl.where(valid, MIN_V + PACKET * (strict + taken), 0)
+    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    # compaction: deepest first, depth-0 and padding tokens last (key 0x7FFF)
+    srt = tl.sort(tl.where(s > 0, ((W - s) << 11) | lp, 0x7FFF))
+    nz = tl.sum((s > 0).to(tl.int32), 0)
+    obase = vord_ptr + pid_bh * TMAX + blk * BLK
+    tl.store(obase + lp, srt.to(tl.int16), mask=lp < nz)
+    tl.debug_barrier()  # the tiles below read keys other threads wrote
+
+    mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G_PAD, NSK_PAD)
+    NCODE: tl.constexpr = 1 << W
+    NB8: tl.constexpr = D // 8
+    tok = tl.arange(0, 32)
+    cc = tl.arange(0, D)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    NB8P: tl.constexpr = max(NB8, 16)
+    bb = tl.arange(0, NB8P)
+    acc0 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc1 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc2 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc3 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc4 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc5 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc6 = tl.zeros([G_PAD, NB8P], tl.float32)
+    acc7 = tl.zeros([G_PAD, NB8P], tl.float32)
+    for ti in range(0, tl.cdiv(nz, 32)):
+        e = ti * 32 + tok
+        em = e < nz
+        kv = tl.load(obase + e, mask=em, other=0x7FFF).to(tl.int32)
+        st = tl.where(em, W - (kv >> 11), 0)
+        tp = tl.where(em, blk * BLK + (kv & 2047), T)  # token position (T: padding, p = 0)
+        page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
+        off = tp % P
+        s_max = tl.max(st, 0)
+        p_hi, p_lo = _split16(_probs(logit_ptr, b, h, tp, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
+        if T8:
+            x = tl.zeros([32, NB8P], dtype=tl.int64)
+            for j in tl.static_range(W):
+                if j < s_max:
+                    row = vb_ptr + ((page[:, None] * W + j) * P + off[:, None]) * NB8 + bb[None, :]
+                    bj = tl.load(row, mask=(st > j)[:, None] & (bb[None, :] < NB8), other=0)
+                    x = x | (bj.to(tl.int64) << (8 * j))
+            x = _transpose8(x)
+            sb = st[:, None] * NCODE
+            acc0 = _v_slice(x, 0, sb, tabr_ptr, p_hi, p_lo, acc0)
+            acc1 = _v_slice(x, 1, sb, tabr_ptr, p_hi, p_lo, acc1)
+            acc2 = _v_slice(x, 2, sb, tabr_ptr, p_hi, p_lo, acc2)
+            acc3 = _v_slice(x, 3, sb, tabr_ptr, p_hi, p_lo, acc3)
+            acc4 = _v_slice(x, 4, sb, tabr_ptr, p_hi, p_lo, acc4)
+            acc5 = _v_slice(x, 5, sb, tabr_ptr, p_hi, p_lo, acc5)
+            acc6 = _v_slice(x, 6, sb, tabr_ptr, p_hi, p_lo, acc6)
+            acc7 = _v_slice(x, 7, sb, tabr_ptr, p_hi, p_lo, acc7)
+        else:
+            codes = tl.zeros([32, D], dtype=tl.int32)
+            for j in tl.static_range(W):
+                if j < s_max:
+                    row = vb_ptr + ((page[:, None] * W + j) * P + off[:, None]) * NB8 + (cc[None, :] // 8)
+                    byte = tl.load(row, mask=(st > j)[:, None], other=0).to(tl.int32)  # [32, D]
+                    codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
+            z_hi, z_lo = _hi_lo(tl.load(tab_ptr + st[:, None] * NCODE + codes))  # [32, D]
+            acc = tl.dot(p_hi, z_hi, acc)
+            acc = tl.dot(p_hi, z_lo, acc)
+            acc = tl.dot(p_lo, z_hi, acc)
+    gg = tl.arange(0, G_PAD)
+    prow = ((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D
+    if T8:
+        msk = (gg[:, None] < G) & (bb[None, :] < NB8)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 0, acc0, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 1, acc1, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 2, acc2, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 3, acc3, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 4, acc4, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 5, acc5, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 6, acc6, mask=msk)
+        tl.store(part_ptr + prow + bb[None, :] * 8 + 7, acc7, mask=msk)
+    else:
+        tl.store(part_ptr + prow + cc[None, :], acc, mask=gg[:, None] < G)
+
+
+@triton.jit
 def _v_slice(x, K: tl.constexpr, sb, tabr_ptr, p_hi, p_lo, acc):
     """Channels 8b + K of a bit-transposed Value tile: codes, table (bit-reversed index), 3 MMAs."""
     code = ((x >> (8 * K)) & 0xFF).to(tl.int32)

@@ -26,6 +26,7 @@ from .decode import (
     _value_hist,
     _value_radix,
     _value_stage,
+    _value_stage_c,
     _value_ties,
     next_pow2,
 )
@@ -85,6 +86,7 @@ class Plan:
     sstat: torch.Tensor  # [B, Hq, S] f32
     vimp: torch.Tensor  # [B, Hkv, T] f32: Value importance
     vdep: torch.Tensor  # [B, Hkv, T] i8: Value token depths
+    vord: torch.Tensor  # [B, Hkv, T] i16: per block, its tokens of depth > 0, deepest first (compaction)
     hist: torch.Tensor  # [groups, HIST_STRIDE] i32: radix histograms
     ties: torch.Tensor  # [groups, HG * NBLK, KS_PAD] i32
     part: torch.Tensor  # [B, Hq, NBLK, d] f32: per-block weighted sums
@@ -94,7 +96,7 @@ class Plan:
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
         bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.logits, self.mstat, self.sstat,
-                self.vimp, self.vdep, self.hist, self.ties, self.part, self.out_t)
+                self.vimp, self.vdep, self.vord, self.hist, self.ties, self.part, self.out_t)
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
@@ -106,11 +108,12 @@ class TritonReader:
     """
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
-                 fixed_depth: int = 0, assembly: str = "transpose") -> None:
+                 fixed_depth: int = 0, assembly: str = "transpose", compact_values: bool | None = None) -> None:
         if assembly not in ASSEMBLY:
             raise ValueError(f"assembly must be one of {ASSEMBLY}, got {assembly!r}")
         self.codec = codec
         self.assembly = assembly
+        self._compact_arg = compact_values
         self.fixed_depth = fixed_depth
         if fixed_depth:
             # Full Reader: every K channel and V token at one depth, read fully; no allocation.
@@ -129,6 +132,14 @@ class TritonReader:
         d, w = spec.head_dim, spec.width
         self.hg = spec.n_kv_heads if pol.pool_heads else 1
         self.bk = pol.key_budget(d)
+        # Value stage over the tokens of depth > 0 only, sorted by depth (never for the Full Reader,
+        # whose tokens all have one depth). None = measured choice (runs 18-19, docs/KERNEL_NOTES.md):
+        # gathering pays where most tokens are not read (mean Value depth <= 1 plane, no minimum
+        # depth) and at d >= 256, whose 32-byte token rows keep the gathers sector-efficient.
+        # (explicit budgets: the mean depth depends on T, so the tile path)
+        mean_v = (2 * d * pol.rate - self.bk) / d if pol.rate is not None else float(w)
+        auto = pol.min_depth_v == 0 and (mean_v <= 1.0 or d >= 256)
+        self.compact_values = (auto if self._compact_arg is None else self._compact_arg) and not fixed_depth
         if self.bk < pol.min_depth_k * d:
             raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")
         n_items = self.hg * d
@@ -171,6 +182,8 @@ class TritonReader:
         hq, hk, d, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.page_size
         if block_tokens % p:
             raise ValueError(f"block_tokens must be a multiple of the page size {p}")
+        if self.compact_values and block_tokens > 2048:
+            raise ValueError("block_tokens must be <= 2048 with compact_values (11-bit positions)")
         n_pages = math.ceil(max_tokens / p)
         n_splits = math.ceil(n_pages / pages_per_program)
         n_blocks = math.ceil(max_tokens / block_tokens)
@@ -189,6 +202,7 @@ class TritonReader:
             mstat=torch.empty(batch, hq, n_splits, **f32), sstat=torch.empty(batch, hq, n_splits, **f32),
             vimp=torch.empty(batch, hk, max_tokens, **f32),
             vdep=torch.zeros(batch, hk, max_tokens, dtype=torch.int8, device=dev),
+            vord=torch.zeros(batch, hk, max_tokens if self.compact_values else 1, dtype=torch.int16, device=dev),
             hist=torch.zeros(groups, HIST_STRIDE, dtype=torch.int32, device=dev),
             ties=torch.zeros(groups, self.hg * n_blocks, self.kspad_v, dtype=torch.int32, device=dev),
             part=torch.empty(batch, hq, n_blocks, d, **f32), out_t=torch.empty(batch, hq, d, **f32),
@@ -279,12 +293,18 @@ class TritonReader:
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
                               USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
             mark("value_ties")
-        _value_stage[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
-                           plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.part, slots, tmax, nsk,
-                           rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g, G_PAD=gpad,
-                           NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk), FIXED_V=self.fixed_depth,
-                           T8=self._value_transposing(d),
-                           **vconst, num_warps=nw)
+        if self.compact_values:
+            _value_stage_c[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
+                                 plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.vord, plan.part, slots,
+                                 tmax, nsk, rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg,
+                                 G=g, G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
+                                 T8=self._value_transposing(d), **vconst, num_warps=nw)
+        else:
+            _value_stage[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
+                               plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.part, slots, tmax, nsk,
+                               rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g,
+                               G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
+                               FIXED_V=self.fixed_depth, T8=self._value_transposing(d), **vconst, num_warps=nw)
         mark("value_stage")
         _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d,
                             num_warps=4)

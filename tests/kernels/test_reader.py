@@ -191,3 +191,48 @@ def test_reversed_table_is_indexed_by_bit_reversed_codes() -> None:
     for t, c in [(3, 0b10100000), (8, 0b11010010), (1, 0b10000000), (5, 0b01101000)]:
         rev = int(f"{c:0{w}b}"[::-1], 2)
         assert tabr[t, rev] == tab[t, c]
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int) -> None:
+    """The compacting Value stage (tokens of depth > 0 only, sorted by depth) gives the same depths
+    and, up to float32 summation order, the same per-block partial sums as the one that walks every
+    32-token tile; at R = 2 with most of the budget on Keys most tokens have Value depth 0."""
+    codec, cache, q = _setup(seed=77 + d, lengths=[150, 97], d=d, hk=1 if d > 128 else 2)
+    policy = ReadPolicy.flexible(2.0, k_share=0.875)
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    runs = {}
+    for compact in (False, True):
+        reader = TritonReader(codec, policy, compact_values=compact)
+        plan = reader.plan(2, 150, "cpu")
+        plan.part.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs[compact] = (plan.part.clone(), out.clone(), st, plan.vord.clone())
+    (p0, o0, s0, _), (p1, o1, s1, vord) = runs[False], runs[True]
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(s0.v_depths, s1.v_depths)
+    depths = s1.v_depths[0, 0, :150]
+    assert 0 < int((depths > 0).sum()) < 150 // 2  # sparse: most tokens cost nothing
+    # block 0 of (sequence 0, head 0): the stored order lists the nonzero tokens, deepest first
+    nz = int((depths > 0).sum())
+    keys = vord[0, 0, :nz].long()
+    got_depth = codec.width - (keys >> 11)
+    got_pos = keys & 2047
+    assert sorted(got_pos.tolist()) == torch.nonzero(depths > 0).flatten().tolist()
+    assert torch.equal(got_depth, depths[got_pos].long())
+    assert bool((got_depth[:-1] >= got_depth[1:]).all())
+    torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-6)
+    assert ((o1 - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_compaction_is_chosen_where_it_was_measured_faster() -> None:
+    """compact_values=None picks the compacting Value stage for sparse Value reads (mean depth <= 1
+    plane, no minimum) and for d >= 256; never for the Full Reader; explicit choices win."""
+    codec, _, _ = _setup(seed=1, lengths=[8])  # d = 64
+    assert TritonReader(codec, ReadPolicy.flexible(2.0, k_share=0.875)).compact_values  # 0.5 plane
+    assert not TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75)).compact_values  # 2 planes
+    assert not TritonReader(codec, ReadPolicy.constrained(2.0)).compact_values  # minimum depth 1
+    assert not TritonReader(codec, fixed_depth=4, compact_values=True).compact_values
+    assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), compact_values=True).compact_values
+    codec256, _, _ = _setup(seed=1, lengths=[8], d=256, hk=1)
+    assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75)).compact_values
