@@ -29,10 +29,12 @@ ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", 
 # Named variants (not rows of DESIGN section 7; evaluated on request):
 # readkv-flexible-hw = the flexible reader with ReadPolicy.value_head_weight;
 # readkv-flexible-kv = the flexible reader with ReadPolicy.key_variance_correction;
-# readkv-flexible-sink = the flexible reader with ReadPolicy.sink_keys = 1.
+# readkv-flexible-sink = the flexible reader with ReadPolicy.sink_keys = 1;
+# readkv-flexible-stv = the flexible reader with ReadPolicy.single_token_values.
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"readkv-flexible-hw": {"value_head_weight": True},
                                               "readkv-flexible-kv": {"key_variance_correction": True},
-                                              "readkv-flexible-sink": {"sink_keys": 1}}
+                                              "readkv-flexible-sink": {"sink_keys": 1},
+                                              "readkv-flexible-stv": {"single_token_values": True}}
 VARIANTS = tuple(VARIANT_OPTIONS)
 FLEXIBLE = ("readkv-flexible", *VARIANTS)
 RATES = (4.0, 2.0)
@@ -137,7 +139,8 @@ def label(row: SystemRow, system: KVSystem) -> str:
         s += f" (K share {pol.k_share:g})" if pol.reader == "flexible" else ""
         s += " + head weight" if pol.value_head_weight else ""
         s += " + key variance" if pol.key_variance_correction else ""
-        return s + (f" + {pol.sink_keys} sink key" if pol.sink_keys else "")
+        s += f" + {pol.sink_keys} sink key" if pol.sink_keys else ""
+        return s + (" + single-token values" if pol.single_token_values else "")
     return system.name
 
 

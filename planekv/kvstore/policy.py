@@ -52,6 +52,11 @@ class ReadPolicy:
     # channel instead of the allocated channel depths. The extra Key bits are counted, and taken
     # from the Value budget (rounded up to whole Value planes), so R stays the budget.
     sink_keys: int = 0
+    # Named deviation from the budget rule (default off): a row that reads a single token gets
+    # softmax weight 1 for it whatever its Key, so the Key read carries no information; with this
+    # option such a row reads no Key planes beyond the minimum depth and spends the rest of its
+    # 2 d R bits on the Value (rate policies only; budgets(1, d) changes, no other T does).
+    single_token_values: bool = False
 
     def __post_init__(self) -> None:
         given = (self.budget_k is not None, self.budget_v is not None)
@@ -96,6 +101,8 @@ class ReadPolicy:
         """
         t, d, w = n_tokens, head_dim, self.width
         bk = self.key_budget(d)
+        if self.single_token_values and t == 1 and self.rate is not None:
+            bk = min(bk, self.min_depth_k * d)  # the Key of the only token cannot change its weight
         if self.rate is None:
             bv = int(self.budget_v)  # type: ignore[arg-type]
         else:
@@ -121,7 +128,8 @@ class ReadPolicy:
         """Named options set here that only the torch reference reader implements (the kernels
         do not; a caller that dispatches to them refuses such a policy)."""
         out = ["key_variance_correction"] if self.key_variance_correction else []
-        return out + (["sink_keys"] if self.sink_keys else [])
+        out += ["sink_keys"] if self.sink_keys else []
+        return out + (["single_token_values"] if self.single_token_values else [])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

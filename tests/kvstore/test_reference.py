@@ -200,8 +200,8 @@ def test_mqa(synthetic):
     ReadPolicy.flexible(3.0), ReadPolicy.constrained(2.0),
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True), ReadPolicy.flexible(2.0, 0.8, sink_keys=2),
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True, sink_keys=3),
-    ReadPolicy.constrained(2.0, sink_keys=1)],
-    ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink"])
+    ReadPolicy.constrained(2.0, sink_keys=1), ReadPolicy.flexible(2.0, 0.875, single_token_values=True)],
+    ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink", "flex-stv"])
 def test_teacher_forced_rows_equal_decode_steps(synthetic, gen, policy):
     n = 70  # crosses the 64-token page boundary
     codec, q, k, v, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
@@ -456,3 +456,28 @@ def test_sink_keys_read_at_full_depth_and_paid_from_the_value_budget(synthetic, 
         total, budget = float(st_r.total_bits[0]), float(st_p.total_bits[0])
         assert budget - 2 * D_HEAD < total <= budget  # rounded to whole Value planes per head
         assert float(st_r.k_bits[0]) > float(st_p.k_bits[0])
+
+
+def test_single_token_values_spend_a_one_token_read_on_the_value(synthetic):
+    """A row that reads one token: its weight is 1 whatever the Key, so with the option the whole
+    2 d R bits per KV head go to the Value (depth 2R), and the output is that Value's reconstruction;
+    without it the default split leaves no Value plane at R = 2 (the output is the calibrated mean).
+    Rows of more tokens keep the default budgets."""
+    codec, q, _, v, kc, vc = _setup(synthetic, n_tokens=40, n_rows=1)
+    hk = kc.shape[0]
+    on = ReadPolicy.flexible(2.0, 0.875, single_token_values=True)
+    off = ReadPolicy.flexible(2.0, 0.875)
+    assert on.budgets(1, D_HEAD) == (0, 4) and off.budgets(1, D_HEAD) == (224, 0)
+    for t in (2, 3, 40, 1000):
+        assert on.budgets(t, D_HEAD) == off.budgets(t, D_HEAD)
+    assert ReadPolicy.constrained(2.0, single_token_values=True).budgets(1, D_HEAD) == (D_HEAD, 3)
+    out, st = readkv_rows(q, kc, vc, codec, 0, on, torch.tensor([1]))
+    assert float(st.k_bits[0]) == 0 and float(st.v_bits[0]) == 4 * D_HEAD * hk  # exactly 2 d R per head
+    g = q.shape[0] // hk
+    want = codec.decode(vc[:, :1], 4, 0, "v")[:, 0].repeat_interleave(g, 0)  # [Hq, d]
+    torch.testing.assert_close(out[:, 0], want, rtol=1e-5, atol=1e-5)
+    assert _rel(out[:, 0], v[:, 0].repeat_interleave(g, 0)) < 0.2
+    out0, st0 = readkv_rows(q, kc, vc, codec, 0, off, torch.tensor([1]))
+    assert float(st0.v_bits[0]) == 0
+    mean = codec.decode(vc[:, :1], 0, 0, "v")[:, 0].repeat_interleave(g, 0)
+    torch.testing.assert_close(out0[:, 0], mean, rtol=1e-5, atol=1e-5)
