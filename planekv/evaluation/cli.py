@@ -33,6 +33,12 @@ def register(subparsers: Any) -> None:
         sp = esub.add_parser(name, help=help_)
         mod.add_arguments(sp)
         sp.set_defaults(func=_runner(mod.__name__))
+    from . import ray_jobs
+
+    sub = esub.add_parser("submit", help="run one of these jobs on a Ray cluster (Ray Job Submission) and "
+                                         "follow its log")
+    ray_jobs.add_arguments(sub)
+    sub.set_defaults(func=_runner("planekv.evaluation.ray_jobs"))
     r = esub.add_parser("report", help="rebuild report.md and the plot from a run's JSON")
     r.add_argument("out")
     r.set_defaults(func=lambda a: (__import__("planekv.evaluation.report", fromlist=["x"]).write_report(a.out), 0)[1])
