@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--env needs KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         env[k] = v
-    job_args = [a for a in args.job_args if a != "--"] if args.job_args[:1] == ["--"] else args.job_args
-    res = submit_and_wait(args.address, args.job, job_args, env, timeout_s=args.timeout,
+    res = submit_and_wait(args.address, args.job, args.job_args, env, timeout_s=args.timeout,
                           on_log=lambda s: print(s, end="", flush=True), python=args.python)
     print(f"\nray job {res.job_id}: {res.status} after {res.seconds:.0f} s", file=sys.stderr)
     return 0 if res.ok else 1

@@ -454,6 +454,107 @@ def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_
 
 
 @triton.jit
+def _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+                    D: tl.constexpr, W: tl.constexpr, HG: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+                    KS: tl.constexpr, KS_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+    """Lambda, the ties at lambda still to take, and this block's rank base of those ties for each
+    step: all ties of earlier steps, plus ties of the same step in blocks that come earlier in item
+    order (head, then block)."""
+    kk = tl.arange(0, KS_PAD)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+    lam = tl.where(count > 0, lam, 0x7FFFFFFF)
+    need = tl.where(count > 0, need, 0)
+    NT = HG * NBLK
+    tt = tl.arange(0, NT_PAD)
+    me = hl * NBLK + blk
+    tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
+    per_k = tl.sum(tie, 0)  # [KS_PAD]
+    run = tl.cumsum(per_k, 0) - per_k + tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
+    return lam, need, run
+
+
+@triton.jit
+def _depths(bimp, valid, r_ptr, lam, need, run, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+            PACKET: tl.constexpr):
+    """Value depths of consecutive tokens (importance ``bimp``) given lambda and the ties' rank base
+    ``run``; returns the depths and the rank base after these tokens."""
+    key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+    ok = kok[:, None] & valid[None, :]
+    strict = tl.sum(((key > lam) & ok).to(tl.int32), 0)
+    eq = ((key == lam) & ok).to(tl.int32)  # [KS_PAD, n]
+    rank = run[:, None] + tl.cumsum(eq, 1) - eq
+    taken = tl.sum(((eq > 0) & (rank < need)).to(tl.int32), 0)
+    return tl.where(valid, MIN_V + PACKET * (strict + taken), 0), run + tl.sum(eq, 1)
+
+
+@triton.jit
+def _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D: tl.constexpr, W: tl.constexpr,
+                   P: tl.constexpr):
+    """One 32-token Value tile, bit-serial: ``rows`` [32] is each token's row in plane 0 (page * W * P
+    + offset), ``st`` its depth; one byte load per element and plane."""
+    cc = tl.arange(0, D)
+    NB8: tl.constexpr = D // 8
+    codes = tl.zeros([32, D], dtype=tl.int32)
+    for j in tl.static_range(W):
+        if j < s_max:
+            byte = tl.load(vb_ptr + (rows[:, None] + j * P) * NB8 + (cc[None, :] // 8), mask=(st > j)[:, None],
+                           other=0).to(tl.int32)  # [32, D]
+            codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
+    z_hi, z_lo = _hi_lo(tl.load(tab_ptr + st[:, None] * (1 << W) + codes))  # [32, D]
+    acc = tl.dot(p_hi, z_hi, acc)
+    acc = tl.dot(p_hi, z_lo, acc)
+    return tl.dot(p_lo, z_hi, acc)
+
+
+@triton.jit
+def _v_tile_t8(vb_ptr, rows, st, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+               D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8P: tl.constexpr):
+    """One 32-token Value tile, bit-transposed: each plane byte (8 channels) loaded once into byte j
+    of an int64; after the transpose byte k holds channel 8b + k, one accumulator per k."""
+    NB8: tl.constexpr = D // 8
+    bb = tl.arange(0, NB8P)
+    x = tl.zeros([32, NB8P], dtype=tl.int64)
+    for j in tl.static_range(W):
+        if j < s_max:
+            bj = tl.load(vb_ptr + (rows[:, None] + j * P) * NB8 + bb[None, :],
+                         mask=(st > j)[:, None] & (bb[None, :] < NB8), other=0)  # [32, NB8P]
+            x = x | (bj.to(tl.int64) << (8 * j))
+    x = _transpose8(x)
+    sb = st[:, None] * (1 << W)
+    acc0 = _v_slice(x, 0, sb, tabr_ptr, p_hi, p_lo, acc0)
+    acc1 = _v_slice(x, 1, sb, tabr_ptr, p_hi, p_lo, acc1)
+    acc2 = _v_slice(x, 2, sb, tabr_ptr, p_hi, p_lo, acc2)
+    acc3 = _v_slice(x, 3, sb, tabr_ptr, p_hi, p_lo, acc3)
+    acc4 = _v_slice(x, 4, sb, tabr_ptr, p_hi, p_lo, acc4)
+    acc5 = _v_slice(x, 5, sb, tabr_ptr, p_hi, p_lo, acc5)
+    acc6 = _v_slice(x, 6, sb, tabr_ptr, p_hi, p_lo, acc6)
+    acc7 = _v_slice(x, 7, sb, tabr_ptr, p_hi, p_lo, acc7)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _store_part(part_ptr, prow, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NB8P: tl.constexpr,
+                T8: tl.constexpr, acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7):
+    """A block's partial sums [G, D]: ``acc``, or with T8 the eight accumulators of channels 8b + k."""
+    gg = tl.arange(0, G_PAD)
+    if T8:
+        bb = tl.arange(0, NB8P)
+        msk = (gg[:, None] < G) & (bb[None, :] < D // 8)
+        col = part_ptr + prow + bb[None, :] * 8
+        tl.store(col + 0, acc0, mask=msk)
+        tl.store(col + 1, acc1, mask=msk)
+        tl.store(col + 2, acc2, mask=msk)
+        tl.store(col + 3, acc3, mask=msk)
+        tl.store(col + 4, acc4, mask=msk)
+        tl.store(col + 5, acc5, mask=msk)
+        tl.store(col + 6, acc6, mask=msk)
+        tl.store(col + 7, acc7, mask=msk)
+    else:
+        tl.store(part_ptr + prow + tl.arange(0, D)[None, :], acc, mask=gg[:, None] < G)
+
+
+@triton.jit
 def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
                  tab_ptr, tabr_ptr, vdep_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
                  USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
@@ -474,31 +575,13 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
     h = pid_bh % HKV
     grp, hl = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
-    kk = tl.arange(0, KS_PAD)
     if FIXED_V == 0:
-        count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-        lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
-        lam = tl.where(count > 0, lam, 0x7FFFFFFF)
-        need = tl.where(count > 0, need, 0)
-        # Rank base of this block's ties for each step: all ties of earlier steps, plus ties of the
-        # same step in blocks that come earlier in item order (head, then block).
-        NT = HG * NBLK
-        tt = tl.arange(0, NT_PAD)
-        me = hl * NBLK + blk
-        tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
-        per_k = tl.sum(tie, 0)  # [KS_PAD]
-        earlier_k = tl.cumsum(per_k, 0) - per_k
-        before_me = tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
-        run = earlier_k + before_me  # [KS_PAD]
-
+        lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
+                                         D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
     mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G_PAD, NSK_PAD)
-    NCODE: tl.constexpr = 1 << W
-    NB8: tl.constexpr = D // 8
     tok = tl.arange(0, 32)
-    cc = tl.arange(0, D)
+    NB8P: tl.constexpr = max(D // 8, 16)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    NB8P: tl.constexpr = max(NB8, 16)
-    bb = tl.arange(0, NB8P)
     acc0 = tl.zeros([G_PAD, NB8P], tl.float32)
     acc1 = tl.zeros([G_PAD, NB8P], tl.float32)
     acc2 = tl.zeros([G_PAD, NB8P], tl.float32)
@@ -517,64 +600,23 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
         valid = pos < T
         if FIXED_V == 0:
             bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-            ok = kok[:, None] & valid[None, :]
-            strict = tl.sum(((key > lam) & ok).to(tl.int32), 0)
-            eq = ((key == lam) & ok).to(tl.int32)  # [KS_PAD, 32]
-            rank = run[:, None] + tl.cumsum(eq, 1) - eq
-            taken = tl.sum(((eq > 0) & (rank < need)).to(tl.int32), 0)
-            run += tl.sum(eq, 1)
-            s = tl.where(valid, MIN_V + PACKET * (strict + taken), 0)
+            s, run = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
             tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
         else:
             s = tl.where(valid, FIXED_V, 0)
         if tl.max(s, 0) > 0:
             page = tl.load(pt_ptr + pid_bh * SLOTS + ti // TPP).to(tl.int64)
-            off = (ti % TPP) * 32
+            rows = page * W * P + (ti % TPP) * 32 + tok
             s_max = tl.max(s, 0)
             p_hi, p_lo = _split16(_probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
             if T8:
-                x = tl.zeros([32, NB8P], dtype=tl.int64)
-                for j in tl.static_range(W):
-                    if j < s_max:
-                        row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + bb[None, :]
-                        bj = tl.load(row, mask=(s > j)[:, None] & (bb[None, :] < NB8), other=0)  # [32, NB8]
-                        x = x | (bj.to(tl.int64) << (8 * j))
-                x = _transpose8(x)
-                sb = s[:, None] * NCODE
-                acc0 = _v_slice(x, 0, sb, tabr_ptr, p_hi, p_lo, acc0)
-                acc1 = _v_slice(x, 1, sb, tabr_ptr, p_hi, p_lo, acc1)
-                acc2 = _v_slice(x, 2, sb, tabr_ptr, p_hi, p_lo, acc2)
-                acc3 = _v_slice(x, 3, sb, tabr_ptr, p_hi, p_lo, acc3)
-                acc4 = _v_slice(x, 4, sb, tabr_ptr, p_hi, p_lo, acc4)
-                acc5 = _v_slice(x, 5, sb, tabr_ptr, p_hi, p_lo, acc5)
-                acc6 = _v_slice(x, 6, sb, tabr_ptr, p_hi, p_lo, acc6)
-                acc7 = _v_slice(x, 7, sb, tabr_ptr, p_hi, p_lo, acc7)
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_t8(
+                    vb_ptr, rows, s, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                    D, W, P, NB8P)
             else:
-                codes = tl.zeros([32, D], dtype=tl.int32)
-                for j in tl.static_range(W):
-                    if j < s_max:
-                        row = vb_ptr + ((page * W + j) * P + off + tok[:, None]) * NB8 + (cc[None, :] // 8)
-                        byte = tl.load(row, mask=(s > j)[:, None], other=0).to(tl.int32)  # [32, D]
-                        codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
-                z_hi, z_lo = _hi_lo(tl.load(tab_ptr + s[:, None] * NCODE + codes))  # [32, D]
-                acc = tl.dot(p_hi, z_hi, acc)
-                acc = tl.dot(p_hi, z_lo, acc)
-                acc = tl.dot(p_lo, z_hi, acc)
-    gg = tl.arange(0, G_PAD)
-    prow = ((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D
-    if T8:
-        msk = (gg[:, None] < G) & (bb[None, :] < NB8)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 0, acc0, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 1, acc1, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 2, acc2, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 3, acc3, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 4, acc4, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 5, acc5, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 6, acc6, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 7, acc7, mask=msk)
-    else:
-        tl.store(part_ptr + prow + cc[None, :], acc, mask=gg[:, None] < G)
+                acc = _v_tile_serial(vb_ptr, rows, s, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P)
+    prow = ((b * HQ + h * G + tl.arange(0, G_PAD)[:, None]) * NBLK + blk) * D
+    _store_part(part_ptr, prow, G, G_PAD, D, NB8P, T8, acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
 
 
 @triton.jit
@@ -599,29 +641,14 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     h = pid_bh % HKV
     grp, hl = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
-    kk = tl.arange(0, KS_PAD)
-    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
-    lam = tl.where(count > 0, lam, 0x7FFFFFFF)
-    need = tl.where(count > 0, need, 0)
-    NT = HG * NBLK
-    tt = tl.arange(0, NT_PAD)
-    me = hl * NBLK + blk
-    tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
-    per_k = tl.sum(tie, 0)  # [KS_PAD]
-    run = tl.cumsum(per_k, 0) - per_k + tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
+    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
+                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
     # depths of the block's tokens, ties at lambda in (step, item) order
     lp = tl.arange(0, BLK)
     pos = blk * BLK + lp
     valid = pos < T
     bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-    key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-    ok = kok[:, None] & valid[None, :]
-    strict = tl.sum(((key > lam) & ok).to(tl.int32), 0)
-    eq = ((key == lam) & ok).to(tl.int32)  # [KS_PAD, BLK]
-    rank = run[:, None] + tl.cumsum(eq, 1) - eq
-    taken = tl.sum(((eq > 0) & (rank < need)).to(tl.int32), 0)
-    s = tl.where(valid, MIN_V + PACKET * (strict + taken), 0)
+    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
     tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
     # compaction: deepest first, depth-0 and padding tokens last (key 0x7FFF)
     srt = tl.sort(tl.where(s > 0, ((W - s) << 11) | lp, 0x7FFF))
@@ -631,13 +658,9 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     tl.debug_barrier()  # the tiles below read keys other threads wrote
 
     mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G_PAD, NSK_PAD)
-    NCODE: tl.constexpr = 1 << W
-    NB8: tl.constexpr = D // 8
     tok = tl.arange(0, 32)
-    cc = tl.arange(0, D)
+    NB8P: tl.constexpr = max(D // 8, 16)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    NB8P: tl.constexpr = max(NB8, 16)
-    bb = tl.arange(0, NB8P)
     acc0 = tl.zeros([G_PAD, NB8P], tl.float32)
     acc1 = tl.zeros([G_PAD, NB8P], tl.float32)
     acc2 = tl.zeros([G_PAD, NB8P], tl.float32)
@@ -653,51 +676,17 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
         st = tl.where(em, W - (kv >> 11), 0)
         tp = tl.where(em, blk * BLK + (kv & 2047), T)  # token position (T: padding, p = 0)
         page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
-        off = tp % P
+        rows = page * W * P + tp % P
         s_max = tl.max(st, 0)
         p_hi, p_lo = _split16(_probs(logit_ptr, b, h, tp, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
         if T8:
-            x = tl.zeros([32, NB8P], dtype=tl.int64)
-            for j in tl.static_range(W):
-                if j < s_max:
-                    row = vb_ptr + ((page[:, None] * W + j) * P + off[:, None]) * NB8 + bb[None, :]
-                    bj = tl.load(row, mask=(st > j)[:, None] & (bb[None, :] < NB8), other=0)
-                    x = x | (bj.to(tl.int64) << (8 * j))
-            x = _transpose8(x)
-            sb = st[:, None] * NCODE
-            acc0 = _v_slice(x, 0, sb, tabr_ptr, p_hi, p_lo, acc0)
-            acc1 = _v_slice(x, 1, sb, tabr_ptr, p_hi, p_lo, acc1)
-            acc2 = _v_slice(x, 2, sb, tabr_ptr, p_hi, p_lo, acc2)
-            acc3 = _v_slice(x, 3, sb, tabr_ptr, p_hi, p_lo, acc3)
-            acc4 = _v_slice(x, 4, sb, tabr_ptr, p_hi, p_lo, acc4)
-            acc5 = _v_slice(x, 5, sb, tabr_ptr, p_hi, p_lo, acc5)
-            acc6 = _v_slice(x, 6, sb, tabr_ptr, p_hi, p_lo, acc6)
-            acc7 = _v_slice(x, 7, sb, tabr_ptr, p_hi, p_lo, acc7)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_t8(
+                vb_ptr, rows, st, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                D, W, P, NB8P)
         else:
-            codes = tl.zeros([32, D], dtype=tl.int32)
-            for j in tl.static_range(W):
-                if j < s_max:
-                    row = vb_ptr + ((page[:, None] * W + j) * P + off[:, None]) * NB8 + (cc[None, :] // 8)
-                    byte = tl.load(row, mask=(st > j)[:, None], other=0).to(tl.int32)  # [32, D]
-                    codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
-            z_hi, z_lo = _hi_lo(tl.load(tab_ptr + st[:, None] * NCODE + codes))  # [32, D]
-            acc = tl.dot(p_hi, z_hi, acc)
-            acc = tl.dot(p_hi, z_lo, acc)
-            acc = tl.dot(p_lo, z_hi, acc)
-    gg = tl.arange(0, G_PAD)
-    prow = ((b * HQ + h * G + gg[:, None]) * NBLK + blk) * D
-    if T8:
-        msk = (gg[:, None] < G) & (bb[None, :] < NB8)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 0, acc0, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 1, acc1, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 2, acc2, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 3, acc3, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 4, acc4, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 5, acc5, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 6, acc6, mask=msk)
-        tl.store(part_ptr + prow + bb[None, :] * 8 + 7, acc7, mask=msk)
-    else:
-        tl.store(part_ptr + prow + cc[None, :], acc, mask=gg[:, None] < G)
+            acc = _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P)
+    prow = ((b * HQ + h * G + tl.arange(0, G_PAD)[:, None]) * NBLK + blk) * D
+    _store_part(part_ptr, prow, G, G_PAD, D, NB8P, T8, acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
 
 
 @triton.jit

@@ -113,7 +113,6 @@ class TritonReader:
             raise ValueError(f"assembly must be one of {ASSEMBLY}, got {assembly!r}")
         self.codec = codec
         self.assembly = assembly
-        self._compact_arg = compact_values
         self.fixed_depth = fixed_depth
         if fixed_depth:
             # Full Reader: every K channel and V token at one depth, read fully; no allocation.
@@ -139,7 +138,7 @@ class TritonReader:
         # (explicit budgets: the mean depth depends on T, so the tile path)
         mean_v = (2 * d * pol.rate - self.bk) / d if pol.rate is not None else float(w)
         auto = pol.min_depth_v == 0 and (mean_v <= 1.0 or d >= 256)
-        self.compact_values = (auto if self._compact_arg is None else self._compact_arg) and not fixed_depth
+        self.compact_values = (auto if compact_values is None else compact_values) and not fixed_depth
         if self.bk < pol.min_depth_k * d:
             raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")
         n_items = self.hg * d
