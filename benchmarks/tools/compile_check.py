@@ -106,7 +106,8 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             kspv = 1 << max(0, (ks_v - 1).bit_length())
             if want(K._prep):
                 compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16", wlo_ptr="*fp16",
-                                          base_ptr=PI, kdep_ptr=P32, hist_ptr=P32, count_k="i32"),
+                                          base_ptr=PI, kdep_ptr=P32, kord_ptr=P32, kcnt_ptr=P32, hist_ptr=P32,
+                                          count_k="i32"),
                             dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp),
                             num_warps=4, sass_dir=sd, tag=t)
             if name != "cons" and want(K._key_stage):
@@ -123,6 +124,11 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   SLOTS="i32", TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
                             sass_dir=sd, tag=t)
+            if name != "cons" and want(K._key_stage_f):
+                compile_one(K._key_stage_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kord_ptr=P32, kcnt_ptr=P32,
+                                                 qt_ptr=PI, sig_ptr=PI, base_ptr=PI, tabf_ptr=PI, logit_ptr=PI,
+                                                 mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32", TMAX="i32"),
+                            dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=16), num_warps=nw, sass_dir=sd, tag=t)
             vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
             if not fixed:
                 if want(K._value_hist):

@@ -235,7 +235,7 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
 
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
               k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str = "transpose",
-              compact_values: bool | None = None,
+              compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None) -> list[Row]:
     from ._dispatch import interpreting
 
@@ -262,7 +262,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         for system in systems:
             try:
                 row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly,
-                           compact_values)
+                           compact_values, pages_per_program)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -282,7 +282,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
          scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str = "transpose",
-         compact_values: bool | None = None) -> Row:
+         compact_values: bool | None = None, pages_per_program: int | None = None) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -316,7 +316,7 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         if pol is None:
             raise ValueError(f"unknown system {system}")
         reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values)
-    plan = reader.plan(b, t, dev)
+    plan = reader.plan(b, t, dev, pages_per_program=pages_per_program)
     s0 = sets[0]
     if check:
         info.update(_check(reader, plan, s0, codec))

@@ -18,6 +18,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
     shapes = args.shapes or list(SHAPES)
     rows = run_bench(shapes, args.systems or list(SYSTEMS), reps=args.reps, check=not args.no_check,
                      k_share=args.k_share, num_warps=args.num_warps, assembly=args.assembly,
+                     pages_per_program=args.pages_per_program,
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
@@ -44,8 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="flexible reader's K share of the bits (default: the share frozen for each rate, "
                         "planekv/evaluation/k_share.json)")
     a.add_argument("--num-warps", type=int, default=4, help="warps per program of the Key and Value stages")
-    a.add_argument("--assembly", choices=("transpose", "serial"), default="transpose",
-                   help="code assembly in the Key and Value stages: bit transposition (default) or bit-serial")
+    a.add_argument("--assembly", choices=("transpose", "serial", "fma"), default="transpose",
+                   help="code assembly in the Key and Value stages: bit transposition with MMAs (default), "
+                        "bit-serial with MMAs, or the FMA Key stage (tokens across threads, float32 FMAs)")
+    a.add_argument("--pages-per-program", type=int, default=None,
+                   help="pages per Key-stage program (default: the reader's, by assembly)")
     a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",
                    help="Value stage over the depth > 0 tokens sorted by depth (on), every 32-token tile (off), "
                         "or the reader's measured choice (auto)")

@@ -137,7 +137,7 @@ def _split16(x):
 
 
 @triton.jit
-def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, hist_ptr, count_k,
+def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr, count_k,
           HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
           KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels."""
@@ -186,6 +186,13 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
     depth = MIN_K + tl.sum(take.to(tl.int32), 0)  # [N]
     dep2 = tl.reshape(depth, [HG_PAD, D])
     tl.store(kdep_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]), dep2, mask=hvalid[:, None])
+    # each head's channels of depth > 0 as a list (depth << 8 | channel) and its length, for the
+    # FMA Key stage, which walks that list only
+    act = dep2 > 0
+    slot = tl.cumsum(act.to(tl.int32), 1) - 1
+    tl.store(kord_ptr + (b * HKV + h0 + hh[:, None]) * D + slot, (dep2 << 8) | cc[None, :],
+             mask=hvalid[:, None] & act)
+    tl.store(kcnt_ptr + b * HKV + h0 + hh, tl.sum(act.to(tl.int32), 1), mask=hvalid)
     # this group's radix histograms start at zero every step
     zi = tl.arange(0, NBINS * NPASS)
     tl.store(hist_ptr + pid * (NBINS * NPASS) + zi, tl.zeros([NBINS * NPASS], tl.int32))
@@ -331,6 +338,155 @@ def _key_stage_t8(kb_ptr, pt_ptr, len_ptr, kdep_ptr, whi_ptr, wlo_ptr, base_ptr,
     sidx = (b * HQ + h * G + gg) * NSPLIT + split
     tl.store(mstat_ptr + sidx, m_run, mask=gvalid)
     tl.store(sstat_ptr + sidx, s_run, mask=gvalid)
+
+
+@triton.jit
+def _bytes8(lo, hi):
+    """Two uint32 words [M] (an int64's low and high halves) -> int32 [M, 8]: the 8 bytes, byte k
+    at column k. Built with ``tl.join`` (each join adds an in-thread dimension), so the 8 columns of a
+    row stay in one thread: no data movement."""
+    b0, b1, b2, b3 = lo & 0xFF, (lo >> 8) & 0xFF, (lo >> 16) & 0xFF, lo >> 24
+    b4, b5, b6, b7 = hi & 0xFF, (hi >> 8) & 0xFF, (hi >> 16) & 0xFF, hi >> 24
+    # the last join is the minor dimension: [M, A, B, C] holds byte 4A + 2B + C
+    y = tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7)))
+    return tl.reshape(y, (lo.shape[0], 8)).to(tl.int32)
+
+
+@triton.jit
+def _transpose8_32(lo, hi):
+    """:func:`_transpose8` on the two uint32 halves of the int64 (the first two delta swaps stay
+    inside a half; the third moves nibbles between them): 20 32-bit operations, no 64-bit shifts."""
+    t = (lo ^ (lo >> 7)) & 0x00AA00AA
+    lo = lo ^ t ^ (t << 7)
+    t = (hi ^ (hi >> 7)) & 0x00AA00AA
+    hi = hi ^ t ^ (t << 7)
+    t = (lo ^ (lo >> 14)) & 0x0000CCCC
+    lo = lo ^ t ^ (t << 14)
+    t = (hi ^ (hi >> 14)) & 0x0000CCCC
+    hi = hi ^ t ^ (t << 14)
+    t = (lo ^ (hi << 4)) & 0xF0F0F0F0
+    return lo ^ t, hi ^ (t >> 4)
+
+
+@triton.jit
+def _plane_words(kb_ptr, rbase, ent, ok, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr):
+    """Plane bytes of channel ``ent & 0xFF`` below its depth ``ent >> 8``, for each row (8 tokens), as
+    two uint32 words (plane j in byte j of lo for j < 4, byte j - 4 of hi otherwise); the W loads are
+    masked, not branched, so they are all in flight at once."""
+    t = ent >> 8
+    p0 = kb_ptr + rbase + (ent & 0xFF) * NB
+    lo = tl.zeros(rbase.shape, dtype=tl.uint32)
+    hi = tl.zeros(rbase.shape, dtype=tl.uint32)
+    for j in tl.static_range(W):
+        bj = tl.load(p0 + j * (D * NB), mask=ok & (j < t), other=0).to(tl.uint32)
+        if j < 4:
+            lo = lo | (bj << (8 * j))
+        else:
+            hi = hi | (bj << (8 * (j - 4)))
+    return lo, hi
+
+
+@triton.jit
+def _key_fma_out(acc, base_ptr, qrow, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos, T, TMAX, scale):
+    """Epilogue of one query head of the FMA Key stage: logits of the tile [M, 8] and its split's
+    softmax statistics."""
+    lg = (acc + _load_scalar(base_ptr + qrow)) * scale
+    ok = pos < T
+    lg = tl.where(ok, lg, float("-inf"))
+    tl.store(logit_ptr + qrow * TMAX + pos, lg, mask=ok)
+    m = tl.max(tl.max(lg, 1), 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(mstat_ptr + sidx, m)
+    tl.store(sstat_ptr + sidx, tl.sum(tl.sum(tl.exp(lg - m_safe), 1), 0))
+
+
+@triton.jit
+def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, qt_ptr, sig_ptr, base_ptr, tabf_ptr, logit_ptr,
+                 mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
+                 HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 P: tl.constexpr, PPK: tl.constexpr):
+    """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
+    (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
+    the list of the head's channels of depth t > 0 that ``_prep`` writes (kord: t << 8 | channel,
+    kcnt: its length), so depth-0 channels (their reconstruction, the mean, is in ``base``) cost
+    nothing. Per channel and row: t byte loads (plane j into byte j of an int64; the next channel's
+    loads are issued before this one's math), one 8x8 bit transpose (the 8 tokens' codes, plane j at
+    bit j), 8 lookups in the bit-reversed float32 table (``tabf``: 2^t entries in use, a few L1
+    lines) and 8 x G float32 FMAs with w = q~ sigma_K. No MMA, no operand shuffles, no hi/lo split;
+    float32 throughout, like the reference reader."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    T = _load_scalar(len_ptr + b)
+    n_pages = tl.cdiv(T, P)
+    NB: tl.constexpr = P // 8
+    M: tl.constexpr = PPK * NB
+    NCODE: tl.constexpr = 1 << W
+    NSPLIT = tl.num_programs(1)
+    mm = tl.arange(0, M)
+    pg = split * PPK + mm // NB
+    byte = mm % NB
+    pvalid = pg < n_pages
+    page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pvalid, other=0).to(tl.int64)
+    rbase = page * (W * D * NB) + byte  # [M]: plane 0, channel 0 of each row
+    q0 = b * HQ + h * G
+    acc0 = tl.zeros([M, 8], dtype=tl.float32)
+    acc1 = tl.zeros([M, 8], dtype=tl.float32)
+    acc2 = tl.zeros([M, 8], dtype=tl.float32)
+    acc3 = tl.zeros([M, 8], dtype=tl.float32)
+    acc4 = tl.zeros([M, 8], dtype=tl.float32)
+    acc5 = tl.zeros([M, 8], dtype=tl.float32)
+    acc6 = tl.zeros([M, 8], dtype=tl.float32)
+    acc7 = tl.zeros([M, 8], dtype=tl.float32)
+    n_act = _load_scalar(kcnt_ptr + pid_bh)
+    lrow = kord_ptr + pid_bh * D
+    ent = _load_scalar(lrow)
+    lo, hi = _plane_words(kb_ptr, rbase, ent, pvalid & (n_act > 0), D, W, NB)
+    for i in range(n_act):
+        # software pipelining: the next channel's plane bytes are requested before this one's math
+        ent_n = _load_scalar(lrow + tl.minimum(i + 1, D - 1))
+        lo_n, hi_n = _plane_words(kb_ptr, rbase, ent_n, pvalid & (i + 1 < n_act), D, W, NB)
+        c = ent & 0xFF
+        lo, hi = _transpose8_32(lo, hi)
+        z = tl.load(tabf_ptr + (ent >> 8) * NCODE + _bytes8(lo, hi))  # [M, 8] float32
+        sg = _load_scalar(sig_ptr + h * D + c)
+        acc0 += z * (_load_scalar(qt_ptr + q0 * D + c) * sg)
+        if G > 1:
+            acc1 += z * (_load_scalar(qt_ptr + (q0 + 1) * D + c) * sg)
+        if G > 2:
+            acc2 += z * (_load_scalar(qt_ptr + (q0 + 2) * D + c) * sg)
+        if G > 3:
+            acc3 += z * (_load_scalar(qt_ptr + (q0 + 3) * D + c) * sg)
+        if G > 4:
+            acc4 += z * (_load_scalar(qt_ptr + (q0 + 4) * D + c) * sg)
+        if G > 5:
+            acc5 += z * (_load_scalar(qt_ptr + (q0 + 5) * D + c) * sg)
+        if G > 6:
+            acc6 += z * (_load_scalar(qt_ptr + (q0 + 6) * D + c) * sg)
+        if G > 7:
+            acc7 += z * (_load_scalar(qt_ptr + (q0 + 7) * D + c) * sg)
+        lo = lo_n
+        hi = hi_n
+        ent = ent_n
+    kk = _bytes8(tl.full([M], 0x03020100, tl.uint32), tl.full([M], 0x07060504, tl.uint32))  # [M, 8]: column index
+    pos = (pg * P + byte * 8)[:, None] + kk
+    sidx = q0 * NSPLIT + split
+    _key_fma_out(acc0, base_ptr, q0, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos, T, TMAX, scale)
+    if G > 1:
+        _key_fma_out(acc1, base_ptr, q0 + 1, logit_ptr, mstat_ptr, sstat_ptr, sidx + NSPLIT, pos, T, TMAX, scale)
+    if G > 2:
+        _key_fma_out(acc2, base_ptr, q0 + 2, logit_ptr, mstat_ptr, sstat_ptr, sidx + 2 * NSPLIT, pos, T, TMAX, scale)
+    if G > 3:
+        _key_fma_out(acc3, base_ptr, q0 + 3, logit_ptr, mstat_ptr, sstat_ptr, sidx + 3 * NSPLIT, pos, T, TMAX, scale)
+    if G > 4:
+        _key_fma_out(acc4, base_ptr, q0 + 4, logit_ptr, mstat_ptr, sstat_ptr, sidx + 4 * NSPLIT, pos, T, TMAX, scale)
+    if G > 5:
+        _key_fma_out(acc5, base_ptr, q0 + 5, logit_ptr, mstat_ptr, sstat_ptr, sidx + 5 * NSPLIT, pos, T, TMAX, scale)
+    if G > 6:
+        _key_fma_out(acc6, base_ptr, q0 + 6, logit_ptr, mstat_ptr, sstat_ptr, sidx + 6 * NSPLIT, pos, T, TMAX, scale)
+    if G > 7:
+        _key_fma_out(acc7, base_ptr, q0 + 7, logit_ptr, mstat_ptr, sstat_ptr, sidx + 7 * NSPLIT, pos, T, TMAX, scale)
 
 
 # ----------------------------------------------------------------------------- Value allocation

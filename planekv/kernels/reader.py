@@ -21,6 +21,7 @@ from .decode import (
     NPASS,
     _combine,
     _key_stage,
+    _key_stage_f,
     _key_stage_t8,
     _prep,
     _value_hist,
@@ -63,7 +64,22 @@ def reversed_table(codec: Codec) -> torch.Tensor:
     return tab[:, rev].reshape(-1).contiguous()
 
 
-ASSEMBLY = ("transpose", "serial")  # how the kernels build codes from planes
+def reversed_table_f32(codec: Codec) -> torch.Tensor:
+    """The reconstruction table in float32, indexed by bit-reversed codes (entry [t, c'] is the
+    tree's value for depth t and code rev_W(c')): the FMA Key stage's table."""
+    w = codec.width
+    tab = codec.tree.table().float().reshape(w + 1, 1 << w)
+    c = torch.arange(1 << w)
+    rev = torch.zeros_like(c)
+    for j in range(w):
+        rev |= ((c >> j) & 1) << (w - 1 - j)
+    return tab[:, rev].reshape(-1).contiguous()
+
+
+# How the kernels build codes from planes: "fma" (Key stage on the CUDA cores, tokens across threads,
+# the transposing Value stage rule as for "transpose"), "transpose" (word-level bit transposition,
+# MMAs), "serial" (bit-serial assembly, MMAs).
+ASSEMBLY = ("transpose", "serial", "fma")
 
 
 @dataclass
@@ -81,6 +97,8 @@ class Plan:
     w_lo: torch.Tensor  # [B, Hq, d] f16: low half
     base: torch.Tensor  # [B, Hq] f32: q~ . mu_K
     kdep: torch.Tensor  # [B, Hkv, d] i32: Key channel depths
+    kord: torch.Tensor  # [B, Hkv, d] i32: channels of depth > 0 first (depth << 8 | channel)
+    kcnt: torch.Tensor  # [B * Hkv] i32: how many
     logits: torch.Tensor  # [B, Hq, T] f32 (scaled)
     mstat: torch.Tensor  # [B, Hq, S] f32
     sstat: torch.Tensor  # [B, Hq, S] f32
@@ -95,7 +113,7 @@ class Plan:
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
-        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.logits, self.mstat, self.sstat,
+        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.hist, self.ties, self.part, self.out_t)
         return sum(t.numel() * t.element_size() for t in bufs)
 
@@ -111,6 +129,8 @@ class TritonReader:
                  fixed_depth: int = 0, assembly: str = "transpose", compact_values: bool | None = None) -> None:
         if assembly not in ASSEMBLY:
             raise ValueError(f"assembly must be one of {ASSEMBLY}, got {assembly!r}")
+        if assembly == "fma" and codec.spec.group_size > 8:
+            raise ValueError(f"the FMA Key stage handles up to 8 query heads per KV head, got {codec.spec.group_size}")
         self.codec = codec
         self.assembly = assembly
         self.fixed_depth = fixed_depth
@@ -158,6 +178,7 @@ class TritonReader:
             "mu_k": c.mu_k, "sig_k": c.sigma_k, "mu_v": c.mu_v, "sig_v": c.sigma_v,
             "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
             "tab2": packed_table(codec), "tabr": reversed_table(codec), "spread": spread_table(),
+            "tabf": reversed_table_f32(codec),
             "rk": self._rk, "rv": self._rv,
             "hw": (c.sigma_v * c.sigma_v).sum(-1).contiguous(),  # [L, Hkv] for value_head_weight
         }
@@ -171,12 +192,17 @@ class TritonReader:
 
     # ---- plan ----
 
-    def plan(self, batch: int, max_tokens: int, device: torch.device | str, pages_per_program: int = 4,
+    def plan(self, batch: int, max_tokens: int, device: torch.device | str, pages_per_program: int | None = None,
              block_tokens: int = 1024) -> Plan:
         """Buffers for steps of ``batch`` sequences of at most ``max_tokens`` tokens. The Key stage
-        runs one program per ``pages_per_program`` pages of a (sequence, KV head); the Value passes
-        one per ``block_tokens`` tokens (a multiple of the page size)."""
+        runs one program per ``pages_per_program`` pages of a (sequence, KV head) (default: 1024
+        tokens with the FMA Key stage, one thread per 8 tokens; 4 pages with the MMA ones); the Value
+        passes one per ``block_tokens`` tokens (a multiple of the page size)."""
         spec = self.codec.spec
+        if pages_per_program is None:
+            pages_per_program = max(1, 1024 // spec.page_size) if self.assembly == "fma" else 4
+        if pages_per_program < 1 or pages_per_program & (pages_per_program - 1):
+            raise ValueError(f"pages_per_program must be a power of two >= 1, got {pages_per_program}")
         dev = torch.device(device)
         hq, hk, d, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.page_size
         if block_tokens % p:
@@ -197,6 +223,8 @@ class TritonReader:
             w_hi=torch.empty(batch, hq, d, **f16), w_lo=torch.empty(batch, hq, d, **f16),
             base=torch.empty(batch, hq, **f32),
             kdep=torch.empty(batch, hk, d, dtype=torch.int32, device=dev),
+            kord=torch.zeros(batch, hk, d, dtype=torch.int32, device=dev),
+            kcnt=torch.zeros(batch * hk, dtype=torch.int32, device=dev),
             logits=torch.empty(batch, hq, max_tokens, **f32),
             mstat=torch.empty(batch, hq, n_splits, **f32), sstat=torch.empty(batch, hq, n_splits, **f32),
             vimp=torch.empty(batch, hk, max_tokens, **f32),
@@ -218,7 +246,7 @@ class TritonReader:
         """The transposing Value stage splits a tile into 8 MMAs of D/8 columns: measured on the H200
         (run 16) 1.8x faster than bit-serial at d = 256 but 1.5x slower at d = 128 (sixteen-column
         MMAs and their layout conversions cost more than the byte loads they save), so d >= 256."""
-        return self.assembly == "transpose" and head_dim >= 256
+        return self.assembly in ("transpose", "fma") and head_dim >= 256
 
     # ---- run ----
 
@@ -264,11 +292,15 @@ class TritonReader:
         plan.qbuf.copy_(q)
         torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
         mark("q_transform")
-        _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.hist,
-                         self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k, KS_PAD=self.kspad_k,
+        _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.kord,
+                         plan.kcnt, plan.hist, self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k, KS_PAD=self.kspad_k,
                          MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg), num_warps=4)
         mark("prep")
-        if self._transposing(p):
+        if self.assembly == "fma":
+            _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.qt, sig_k, plan.base,
+                                        c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
+                                        HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, num_warps=nw)
+        elif self._transposing(p):
             _key_stage_t8[(b * hk, nsk)](k_pool, page_table, lengths, plan.kdep, plan.w_hi, plan.w_lo, plan.base,
                                          c["tabr"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
                                          HKV=hk, G=g, G_PAD=gpad, D=d, W=w, P=p, PPK=self._ppk, num_warps=nw)

@@ -57,6 +57,15 @@ class ReadPolicy:
     # option such a row reads no Key planes beyond the minimum depth and spends the rest of its
     # 2 d R bits on the Value (rate policies only; budgets(1, d) changes, no other T does).
     single_token_values: bool = False
+    # Named extension beyond the paper's two stages (default 0; reference reader only): a third read
+    # stage, Key refinement. The channel stage spends (1 - key_refine) of B_K; the rest (in bits,
+    # key_refine * B_K * T per KV head) reads the remaining planes (depth W in every channel) of the
+    # tokens with the largest stage-1 importance sum_h p_{h,i}^2 per bit, in blocks of
+    # ``key_refine_block`` positions (1: single tokens; a page size: whole pages, so the physical read
+    # is the logical one). Their logits are recomputed, then the softmax. Refinement bits are counted
+    # as Key bits, so R stays the budget.
+    key_refine: float = 0.0
+    key_refine_block: int = 1
 
     def __post_init__(self) -> None:
         given = (self.budget_k is not None, self.budget_v is not None)
@@ -79,6 +88,12 @@ class ReadPolicy:
                 raise BudgetError(f"{name} must be in 0..W={self.width}")
         if self.sink_keys < 0:
             raise BudgetError(f"sink_keys must be >= 0, got {self.sink_keys}")
+        if not 0.0 <= self.key_refine < 1.0:
+            raise BudgetError(f"key_refine must be in [0, 1), got {self.key_refine}")
+        if self.key_refine and (self.key_variance_correction or self.sink_keys):
+            raise ValueError("key_refine does not combine with key_variance_correction or sink_keys")
+        if self.key_refine_block < 1:
+            raise BudgetError(f"key_refine_block must be >= 1, got {self.key_refine_block}")
         if self.v_packet < 1:
             raise BudgetError(f"v_packet must be >= 1, got {self.v_packet}")
 
@@ -129,6 +144,7 @@ class ReadPolicy:
         do not; a caller that dispatches to them refuses such a policy)."""
         out = ["key_variance_correction"] if self.key_variance_correction else []
         out += ["sink_keys"] if self.sink_keys else []
+        out += ["key_refine"] if self.key_refine else []
         return out + (["single_token_values"] if self.single_token_values else [])
 
     def to_dict(self) -> dict[str, Any]:

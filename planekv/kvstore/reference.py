@@ -130,7 +130,11 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     qt = codec.rot_k.forward(q.float()).view(hk, g, m, d)  # [Hkv, G, M, d]
     qs = qt * sig_k[:, None, None, :]
     a = (qs * qs).sum(1).permute(1, 0, 2)  # [M, Hkv, d]: one importance per physical KV head
-    t_dep = _allocate(a, bk, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d]
+    bk_stage = bk
+    if policy.key_refine:  # the channel stage gets (1 - key_refine) of B_K, the rest refines tokens
+        bk_stage = torch.maximum(torch.floor(bk.double() * (1.0 - policy.key_refine)).to(torch.int64),
+                                 torch.full_like(bk, policy.min_depth_k * d))
+    t_dep = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d]
     k_codes = _codes_for(k_src, t_dep)[:, :t_max].long()  # [Hkv, T, d]
     n_code = table.shape[1]
     flat = table.reshape(-1)
@@ -175,6 +179,11 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         sink_bits = extra.sum(1)
         spent_v = torch.ceil(extra / d).to(torch.int64)  # in Value planes (d bits each)
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
+    refine_bits = torch.zeros(m, dtype=torch.float64)
+    if policy.key_refine:
+        full = k_codes if isinstance(k_src, torch.Tensor) else _codes_for(k_src, torch.full_like(t_dep, policy.width))
+        logits, refine_bits = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep,
+                                          (bk - bk_stage) * n_tok, mask, scale, policy, dist)
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
 
@@ -201,7 +210,7 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     out = codec.rot_v.inverse(out).reshape(hq, m, d)
 
     stats = ReadStats(
-        k_bits=(n_tok.to(torch.float64) * t_dep.sum((1, 2)).cpu().double()) + sink_bits,
+        k_bits=(n_tok.to(torch.float64) * t_dep.sum((1, 2)).cpu().double()) + sink_bits + refine_bits,
         v_bits=(d * s_dep.sum((1, 2)).cpu().double()),
         tokens=n_tok.double(),
         n_kv_heads=hk,
@@ -211,6 +220,58 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         v_depths=s_dep.cpu(),
     )
     return out, stats
+
+
+def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: torch.Tensor,
+                table: torch.Tensor, codes: torch.Tensor, t_dep: torch.Tensor, budget: torch.Tensor,
+                mask: torch.Tensor, scale: float, policy: ReadPolicy,
+                distortion: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key refinement (``ReadPolicy.key_refine``): logits [Hkv, G, M, T] (unscaled, from the channel
+    depths t_dep [M, Hkv, d]) -> logits with the chosen blocks' tokens read at depth W in every
+    channel, and the bits that cost per row [M].
+
+    A token's logit error has variance ``scale^2 sum_c (q~ sigma)_c^2 D(t_c)`` (D: the tree's
+    distortion per depth), the same for every token of a head; its effect on the output grows with
+    p_i^2. So a block's benefit is ``sum_h p_{h,i}^2 * var_h`` over its tokens and its cost is
+    ``n_tokens * sum_c (W - t_c)`` bits; blocks are taken by benefit per bit, in order, while the
+    row's budget [M] (bits per KV head; times Hkv when pooled) lasts."""
+    hk, g, m, t_max = logits.shape
+    dev = logits.device
+    w, blk = policy.width, policy.key_refine_block
+    p = torch.softmax((logits * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    dtab = torch.tensor(distortion, dtype=torch.float32, device=dev)  # [W + 1]
+    t_perm = t_dep.to(dev).permute(1, 0, 2)  # [Hkv, M, d]
+    var = ((qs * qs) * dtab[t_perm][:, None]).sum(-1) * scale * scale  # [Hkv, G, M]
+    imp = (p * p * var[..., None]).sum(1)  # [Hkv, M, T]
+    nb = -(-t_max // blk)
+    pad = nb * blk - t_max
+    imp_b = torch.nn.functional.pad(imp, (0, pad)).view(hk, m, nb, blk).sum(-1)  # [Hkv, M, NB]
+    cnt = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).view(m, nb, blk).sum(-1)  # [M, NB]
+    per_tok = (w - t_perm).sum(-1)  # [Hkv, M] bits to refine one token
+    cost = (per_tok[:, :, None] * cnt[None]).double()  # [Hkv, M, NB]
+    score = torch.where(cost > 0, imp_b.double() / cost.clamp_min(1.0), torch.full_like(cost, -1.0))
+    if policy.pool_heads:
+        score_r, cost_r = score.permute(1, 0, 2).reshape(m, hk * nb), cost.permute(1, 0, 2).reshape(m, hk * nb)
+        bud = budget.to(dev).double() * hk
+    else:
+        score_r, cost_r = score.reshape(hk * m, nb), cost.reshape(hk * m, nb)
+        bud = budget.to(dev).double()[None, :].expand(hk, m).reshape(hk * m)
+    order = torch.argsort(score_r, dim=1, descending=True)
+    c_sorted = torch.gather(cost_r, 1, order)
+    take_sorted = (c_sorted.cumsum(1) <= bud[:, None]) & (torch.gather(score_r, 1, order) >= 0)
+    take = torch.zeros_like(take_sorted).scatter(1, order, take_sorted)
+    spent = (take * cost_r)
+    if policy.pool_heads:
+        sel = take.view(m, hk, nb).permute(1, 0, 2)
+        bits = spent.sum(1)
+    else:
+        sel = take.view(hk, m, nb)
+        bits = spent.view(hk, m, nb).sum((0, 2))
+    sel_t = sel.repeat_interleave(blk, dim=2)[..., :t_max] & mask[None]  # [Hkv, M, T]
+    if not bool(sel_t.any()):
+        return logits, bits.cpu()
+    full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ table[w][codes].transpose(1, 2)[:, None]
+    return torch.where(sel_t[:, None], full, logits), bits.cpu()
 
 
 def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_value_hist", "_value_radix", "_value_ties", "_value_stage",
+KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_key_stage_f", "_value_hist", "_value_radix", "_value_ties", "_value_stage",
            "_value_stage_c", "_combine", "_encode_append", "_fp8_stage1"}
 
 
@@ -31,8 +31,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     recs = json.loads(out.read_text())
     assert KERNELS <= {r["kernel"].split("[")[0] for r in recs}
-    # 3 variants x (prep, value stage) + 2 x 2 key stages + 2 compacting value stages
+    # 3 variants x (prep, value stage) + 2 x 3 key stages + 2 compacting value stages
     # + 2 x (hist, NPASS-1 radix passes, ties) + 3 others
-    assert len(recs) == 3 * 2 + 4 + 2 + 2 * (1 + (NPASS.value - 1) + 1) + 3
+    assert len(recs) == 3 * 2 + 6 + 2 + 2 * (1 + (NPASS.value - 1) + 1) + 3
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

@@ -150,11 +150,11 @@ def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, 
     policy = ReadPolicy.flexible(5.0)
     ref, _ = readkv_decode(q, cache, 0, codec, policy)
     runs = {}
-    for kind in ("serial", "transpose"):
+    for kind in ("serial", "transpose", "fma"):
         reader = TritonReader(codec, policy, assembly=kind)
         plan = reader.plan(3, 150, "cpu", pages_per_program=pages_per_program)
         assert reader._transposing(cache.spec.page_size) == (kind == "transpose")
-        assert reader._value_transposing(d) == (kind == "transpose" and d >= 256)
+        assert reader._value_transposing(d) == (kind != "serial" and d >= 256)
         plan.logits.fill_(float("nan"))
         plan.out.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
@@ -171,6 +171,47 @@ def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, 
     assert torch.equal(stt.v_depths, sts.v_depths)
     assert ((ot - ref).norm() / ref.norm()).item() < 1e-5
     assert ((ot - out_s).norm() / out_s.norm()).item() < 1e-6
+    # the FMA Key stage (float32 FMAs over the depth > 0 channels) writes the same logits and stats
+    lf, mf, sf, of, stf, _ = runs["fma"]
+    for b, t in enumerate([150, 97, 64]):
+        torch.testing.assert_close(lf[b, :, :t], ls[b, :, :t], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mf, ms, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sf, ss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(stf.k_depths, sts.k_depths) and torch.equal(stf.v_depths, sts.v_depths)
+    assert ((of - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("name,hq,hk", [("flexible-r2-k0.3", 4, 2), ("constrained-r2", 8, 8),
+                                        ("explicit-budgets", 16, 2), ("flexible-r4", 3, 1)])
+def test_fma_key_stage_matches_the_reference(name: str, hq: int, hk: int) -> None:
+    """The FMA Key stage for group sizes 2, 1 (MHA), 8 and 3, sequences ending mid-page, and a
+    program of 2 pages (so a sequence spans several programs): same depths and output as the
+    reference reader, every logit written."""
+    policy = POLICIES[name]
+    codec, cache, q = _setup(seed=zlib.crc32(name.encode()) % 997 + hq, lengths=[150, 97], hq=hq, hk=hk)
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    reader = TritonReader(codec, policy, assembly="fma")
+    plan = reader.plan(2, 150, "cpu", pages_per_program=2)
+    plan.out.fill_(float("nan"))
+    plan.logits.fill_(float("nan"))
+    out, st = reader.decode(q, cache, 0, plan=plan)
+    for b, t in enumerate([150, 97]):
+        assert torch.isfinite(plan.logits[b, :, :t]).all()
+    assert_same_depths(st.k_depths, rst.k_depths)
+    swapped = not torch.equal(st.k_depths, rst.k_depths)
+    for b in range(2):
+        kv, rv = st.v_depths[b, :, : cache.length(0, b)], rst.extra["v_depths"][b]
+        assert_same_depths(kv, rv, policy.v_packet)
+        swapped |= not torch.equal(kv, rv)
+    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < (1e-3 if swapped else 1e-5), rel
+
+
+def test_fma_key_stage_refuses_groups_over_8() -> None:
+    codec, _, _ = _setup(seed=3, lengths=[8], hq=32, hk=2)
+    with pytest.raises(ValueError, match="8 query heads"):
+        TritonReader(codec, assembly="fma")
 
 
 def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:

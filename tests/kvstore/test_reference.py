@@ -200,8 +200,11 @@ def test_mqa(synthetic):
     ReadPolicy.flexible(3.0), ReadPolicy.constrained(2.0),
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True), ReadPolicy.flexible(2.0, 0.8, sink_keys=2),
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True, sink_keys=3),
-    ReadPolicy.constrained(2.0, sink_keys=1), ReadPolicy.flexible(2.0, 0.875, single_token_values=True)],
-    ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink", "flex-stv"])
+    ReadPolicy.constrained(2.0, sink_keys=1), ReadPolicy.flexible(2.0, 0.875, single_token_values=True),
+    ReadPolicy.flexible(2.0, 0.875, key_refine=0.25), ReadPolicy.flexible(2.0, 0.875, key_refine=0.25, key_refine_block=16),
+    ReadPolicy.constrained(2.0, key_refine=0.3)],
+    ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink", "flex-stv", "flex-kr",
+         "flex-kr16", "constr-kr"])
 def test_teacher_forced_rows_equal_decode_steps(synthetic, gen, policy):
     n = 70  # crosses the 64-token page boundary
     codec, q, k, v, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
@@ -391,9 +394,11 @@ def test_value_head_weight_moves_value_bits_to_the_head_with_more_variance() -> 
     assert v1[1].sum() > v0[1].sum() and v1[1].sum() > v1[0].sum()
 
 
-def _manual_full_value_read(codec, q, kc, vc, k_depth, scale, var_correction=False, sink=0):
+def _manual_full_value_read(codec, q, kc, vc, k_depth, scale, var_correction=False, sink=0, full=None,
+                            probs=False):
     """Attention of one query row over codes, Keys at per-channel depths ``k_depth`` [Hkv, d] (the
-    first ``sink`` tokens at depth 8), every Value at depth 8, written out from the definitions."""
+    first ``sink`` tokens, and the tokens marked in ``full`` [Hkv, T], at depth 8), every Value at
+    depth 8, written out from the definitions. ``probs``: return the softmax [Hkv, G, T] instead."""
     hq, d = q.shape[0], q.shape[-1]
     hk = kc.shape[0]
     g = hq // hk
@@ -402,6 +407,8 @@ def _manual_full_value_read(codec, q, kc, vc, k_depth, scale, var_correction=Fal
     mu_v, sig_v = (x.double() for x in codec.stats(0, "v"))
     dep = k_depth[:, None, :].expand(kc.shape).clone()  # [Hkv, T, d]
     dep[:, :sink] = 8
+    if full is not None:
+        dep[full] = 8
     khat = mu_k[:, None] + sig_k[:, None] * tab[dep, kc.long()]
     qt = codec.rot_k.forward(q.float()).double().reshape(hk, g, d)
     logits = scale * torch.einsum("hgd,htd->hgt", qt, khat)
@@ -409,6 +416,8 @@ def _manual_full_value_read(codec, q, kc, vc, k_depth, scale, var_correction=Fal
         qs2 = (qt * sig_k[:, None]) ** 2
         logits = logits + 0.5 * scale**2 * torch.einsum("hgd,htd->hgt", qs2, var[dep, kc.long()])
     p = torch.softmax(logits, -1)
+    if probs:
+        return p
     vhat = mu_v[:, None] + sig_v[:, None] * tab[8][vc.long()]
     out = torch.einsum("hgt,htd->hgd", p, vhat).float()
     return codec.rot_v.inverse(out).reshape(hq, d)
@@ -481,3 +490,85 @@ def test_single_token_values_spend_a_one_token_read_on_the_value(synthetic):
     assert float(st0.v_bits[0]) == 0
     mean = codec.decode(vc[:, :1], 0, 0, "v")[:, 0].repeat_interleave(g, 0)
     torch.testing.assert_close(out0[:, 0], mean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_key_refine_reads_the_chosen_tokens_at_full_depth(synthetic, pool):
+    """Key refinement, from its definition (ReadPolicy.key_refine): the channel stage gets
+    floor((1 - key_refine) B_K) planes; tokens are then taken by benefit per bit,
+    sum_g p_{g,i}^2 * var_g / cost, var_g = scale^2 sum_c (q~ sigma)_c^2 D(t_c), cost = sum_c (8 - t_c),
+    while B_K - floor(...) planes of T bits per KV head last (pooled: over the heads); those tokens'
+    Keys are read at depth 8 and every bit is counted."""
+    n = 120
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
+    hk, d = kc.shape[0], D_HEAD
+    g = q.shape[0] // hk
+    scale = 0.2
+    pol = ReadPolicy(rate=None, budget_k=150, budget_v=8 * n, reader="flexible", key_refine=0.3,
+                     pool_heads=pool)
+    out, st = readkv_rows(q, kc, vc, codec, 0, pol, torch.tensor([n]), scale=scale)
+    dep = st.k_depths[0]  # [Hkv, d]
+    stage = int(150 * 0.7)
+    plain = ReadPolicy(rate=None, budget_k=stage, budget_v=8 * n, reader="flexible", pool_heads=pool)
+    _, st0 = readkv_rows(q, kc, vc, codec, 0, plain, torch.tensor([n]), scale=scale)
+    assert torch.equal(dep, st0.k_depths[0])  # the channel stage spends (1 - key_refine) of B_K
+    # the selection, written out
+    p = _manual_full_value_read(codec, q[:, 0], kc, vc, dep, scale, probs=True)  # [Hkv, G, T]
+    qt = codec.rot_k.forward(q[:, 0].float()).double().reshape(hk, g, d)
+    sig = codec.stats(0, "k")[1].double()
+    dist = torch.tensor(codec.tree.distortion, dtype=torch.float64)
+    var = scale**2 * ((qt * sig[:, None]) ** 2 * dist[dep][:, None]).sum(-1)  # [Hkv, G]
+    benefit = (p * p * var[..., None]).sum(1)  # [Hkv, T]
+    cost = (8 - dep).sum(-1)  # [Hkv]
+    items = sorted(((float(benefit[h, i] / cost[h]), h, i) for h in range(hk) for i in range(n)), reverse=True)
+    full = torch.zeros(hk, n, dtype=torch.bool)
+    left = {h: (150 - stage) * n * (hk if pool else 1) for h in range(hk)}
+    for _, h, i in items:
+        key = 0 if pool else h
+        if left.get(key, -1) < int(cost[h]):
+            left[key] = -1  # a prefix of the order: stop at the first block that does not fit
+            continue
+        left[key] -= int(cost[h])
+        full[h, i] = True
+    assert 0 < int(full.sum()) < hk * n
+    want = _manual_full_value_read(codec, q[:, 0], kc, vc, dep, scale, full=full)
+    torch.testing.assert_close(out[:, 0], want, rtol=1e-4, atol=1e-5)
+    refined = float((full.sum(1) * cost).sum())
+    assert float(st.k_bits[0]) == float(n * dep.sum()) + refined
+    assert float(st.k_bits[0]) <= 150 * n * hk
+
+
+def test_key_refine_with_enough_budget_reads_every_key_at_full_depth(synthetic):
+    """Half of B_K = 8d for the channel stage leaves exactly the bits to refine every token: the
+    read is then the full-depth Key read."""
+    n = 90
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
+    base = dict(rate=None, budget_v=8 * n, reader="flexible")
+    out, st = readkv_rows(q, kc, vc, codec, 0, ReadPolicy(**base, budget_k=8 * D_HEAD, key_refine=0.5),
+                          torch.tensor([n]))
+    full, st_f = readkv_rows(q, kc, vc, codec, 0, ReadPolicy(**base, budget_k=8 * D_HEAD), torch.tensor([n]))
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
+    assert float(st.k_bits[0]) == float(st_f.k_bits[0])
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_key_refine_stays_within_the_rate(synthetic, block):
+    n = 100
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=n, n_rows=1)
+    for rate in (0.5, 2.0, 4.0):
+        pol = ReadPolicy.flexible(rate, 0.875, key_refine=0.2, key_refine_block=block)
+        _, st = readkv_rows(q, kc, vc, codec, 0, pol, torch.tensor([n]))
+        _, st0 = readkv_rows(q, kc, vc, codec, 0, ReadPolicy.flexible(rate, 0.875), torch.tensor([n]))
+        assert float(st.total_bits[0]) <= float(st0.total_bits[0])
+        if rate >= 2.0:  # (at R = 0.5 a 16-token block costs more than the refinement budget)
+            assert float(st.k_bits[0]) > float(st.tokens[0] * st.k_depths[0].sum())  # something was refined
+
+
+def test_key_refine_options_are_checked():
+    with pytest.raises(BudgetError):
+        ReadPolicy.flexible(2.0, key_refine=1.0)
+    with pytest.raises(BudgetError):
+        ReadPolicy.flexible(2.0, key_refine=0.1, key_refine_block=0)
+    with pytest.raises(ValueError):
+        ReadPolicy.flexible(2.0, key_refine=0.1, sink_keys=1)
+    assert ReadPolicy.flexible(2.0, key_refine=0.1).reference_only_options() == ["key_refine"]
