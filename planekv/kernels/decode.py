@@ -846,6 +846,179 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
 
 
 @triton.jit
+def _v_fma(acc, z, lrow_ptr, tp, em, m, inv_z):
+    """acc [F, 8] += p * z for one query head: p = exp(logit - m) / z of each thread's token
+    (tp, em: [F]; the reciprocal of z is taken once per program)."""
+    lg = tl.load(lrow_ptr + tp, mask=em, other=float("-inf"))
+    p = tl.where(em, tl.exp(lg - m) * inv_z, 0.0)
+    return acc + z * p[:, None]
+
+
+@triton.jit
+def _v_fma_store(acc, part_ptr, prow, cidx):
+    tl.store(part_ptr + prow + tl.max(cidx, 0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _pick(v, gg, g: tl.constexpr):
+    return tl.sum(tl.where(gg == g, v, 0.0), 0)
+
+
+@triton.jit
+def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr, vcnt_ptr, TMAX, RATE, BK, BV_FIXED,
+                 USE_RATE: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr):
+    """Token depths of a block (as in :func:`_value_stage_c`) and its depth > 0 tokens sorted by
+    depth, deepest first (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many),
+    for the compacting FMA Value stage. A kernel of its own: the sort and the tie ranks need many
+    registers, which would otherwise cap the occupancy of the Value stage's loop."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
+                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
+    lp = tl.arange(0, BLK)
+    pos = blk * BLK + lp
+    valid = pos < T
+    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
+    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    srt = tl.sort(tl.where(s > 0, ((W - s) << 11) | lp, 0x7FFF))
+    n_items = tl.sum((s > 0).to(tl.int32), 0)
+    tl.store(vord_ptr + pid_bh * TMAX + blk * BLK + lp, srt.to(tl.int16), mask=lp < n_items)
+    tl.store(vcnt_ptr + pid_bh * NBLK + blk, n_items)
+
+
+@triton.jit
+def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
+                   tabf_ptr, vdep_ptr, vord_ptr, vcnt_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
+                   USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
+                   G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                   BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+                   PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, COMPACT: tl.constexpr,
+                   TS: tl.constexpr):
+    """The Value stage on the CUDA cores. Program (b*Hkv + h, block of BLK tokens): token depths as in
+    :func:`_value_stage` (FIXED_V > 0: every token at that depth, the Full Reader), then tiles of TS
+    tokens x D/8 plane-byte columns, one (token, byte column) per thread: the token's planes below
+    its depth (masked byte loads), an 8x8 bit transpose (the codes of its 8 channels), 8 lookups in
+    the float32 table and 8 x G FMAs with the token's probabilities into per-thread accumulators,
+    reduced over the tile's tokens once per program. With COMPACT the tiles walk only the block's
+    depth > 0 tokens, deepest first, as :func:`_value_order` listed them, so depth-0 tokens cost
+    nothing; otherwise positions in order (depth-0 tokens' loads are masked off)."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    NCODE: tl.constexpr = 1 << W
+    NB8: tl.constexpr = D // 8
+    obase = vord_ptr + pid_bh * TMAX + blk * BLK
+    if FIXED_V == 0:
+        if COMPACT:  # the block's depth > 0 tokens, deepest first, from _value_order
+            n_items = _load_scalar(vcnt_ptr + pid_bh * NBLK + blk)
+        else:
+            lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
+                                             D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
+            n_items = tl.maximum(tl.minimum(T - blk * BLK, BLK), 0)
+    else:
+        n_items = tl.maximum(tl.minimum(T - blk * BLK, BLK), 0)
+    mg, zs = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G_PAD, NSK_PAD)
+    izs = 1.0 / zs
+    gg = tl.arange(0, G_PAD)
+    # the thread grid is flat, F = TS * NB8 threads: f -> (token slot f // NB8, byte column f % NB8);
+    # every per-token quantity is computed by each of its NB8 threads alike, so that no tensor
+    # changes layout inside the loop (a 2D grid made Triton shuffle through shared memory)
+    F: tl.constexpr = TS * NB8
+    ff = tl.arange(0, F)
+    slot = ff // NB8
+    bcol = ff % NB8
+    zero = _bytes8(tl.zeros([F], tl.uint32), tl.zeros([F], tl.uint32)).to(tl.float32)  # [F, 8]
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    acc4 = zero
+    acc5 = zero
+    acc6 = zero
+    acc7 = zero
+    lrow = logit_ptr + (b * HQ + h * G) * TMAX
+    for ti in range(0, tl.cdiv(n_items, TS)):
+        e = ti * TS + slot
+        em = e < n_items
+        if FIXED_V == 0:
+            if COMPACT:
+                kv = tl.load(obase + e, mask=em, other=0x7FFF).to(tl.int32)
+                st = tl.where(em, W - (kv >> 11), 0)
+                tp = blk * BLK + (kv & 2047)
+            else:
+                e1 = ti * TS + tl.arange(0, TS)
+                em1 = e1 < n_items
+                bimp = tl.load(vimp_ptr + pid_bh * TMAX + blk * BLK + e1, mask=em1, other=0.0)
+                st1, run = _depths(bimp, em1, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
+                tl.store(vdep_ptr + pid_bh * TMAX + blk * BLK + e1, st1.to(tl.int8), mask=em1)
+                tp = blk * BLK + e
+                # the depths just stored, read back in the thread grid (each thread its own token)
+                tl.debug_barrier()
+                st = tl.load(vdep_ptr + pid_bh * TMAX + tp, mask=em, other=0).to(tl.int32)
+        else:
+            tp = blk * BLK + e
+            st = tl.where(em, FIXED_V, 0)
+        tp = tl.where(em, tp, 0)
+        page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
+        p0 = vb_ptr + (page * W * P + tp % P) * NB8 + bcol  # [F]: plane 0
+        lo = tl.zeros([F], dtype=tl.uint32)
+        hi = tl.zeros([F], dtype=tl.uint32)
+        for j in tl.static_range(W):
+            bj = tl.load(p0 + j * (P * NB8), mask=st > j, other=0).to(tl.uint32)
+            if j < 4:
+                lo = lo | (bj << (8 * j))
+            else:
+                hi = hi | (bj << (8 * (j - 4)))
+        lo, hi = _transpose8_32(lo, hi)
+        z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _bytes8(lo, hi))  # [F, 8]
+        acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
+        if G > 1:
+            acc1 = _v_fma(acc1, z, lrow + TMAX, tp, em, _pick(mg, gg, 1), _pick(izs, gg, 1))
+        if G > 2:
+            acc2 = _v_fma(acc2, z, lrow + 2 * TMAX, tp, em, _pick(mg, gg, 2), _pick(izs, gg, 2))
+        if G > 3:
+            acc3 = _v_fma(acc3, z, lrow + 3 * TMAX, tp, em, _pick(mg, gg, 3), _pick(izs, gg, 3))
+        if G > 4:
+            acc4 = _v_fma(acc4, z, lrow + 4 * TMAX, tp, em, _pick(mg, gg, 4), _pick(izs, gg, 4))
+        if G > 5:
+            acc5 = _v_fma(acc5, z, lrow + 5 * TMAX, tp, em, _pick(mg, gg, 5), _pick(izs, gg, 5))
+        if G > 6:
+            acc6 = _v_fma(acc6, z, lrow + 6 * TMAX, tp, em, _pick(mg, gg, 6), _pick(izs, gg, 6))
+        if G > 7:
+            acc7 = _v_fma(acc7, z, lrow + 7 * TMAX, tp, em, _pick(mg, gg, 7), _pick(izs, gg, 7))
+    # channel 8 * column + k of each accumulator element, in the accumulators' layout
+    kk = _bytes8(tl.full([F], 0x03020100, tl.uint32), tl.full([F], 0x07060504, tl.uint32))
+    cidx = tl.reshape(bcol[:, None] * 8 + kk, (TS, NB8, 8))
+    prow = ((b * HQ + h * G) * NBLK + blk) * D
+    _v_fma_store(tl.reshape(acc0, (TS, NB8, 8)), part_ptr, prow, cidx)
+    if G > 1:
+        _v_fma_store(tl.reshape(acc1, (TS, NB8, 8)), part_ptr, prow + NBLK * D, cidx)
+    if G > 2:
+        _v_fma_store(tl.reshape(acc2, (TS, NB8, 8)), part_ptr, prow + 2 * NBLK * D, cidx)
+    if G > 3:
+        _v_fma_store(tl.reshape(acc3, (TS, NB8, 8)), part_ptr, prow + 3 * NBLK * D, cidx)
+    if G > 4:
+        _v_fma_store(tl.reshape(acc4, (TS, NB8, 8)), part_ptr, prow + 4 * NBLK * D, cidx)
+    if G > 5:
+        _v_fma_store(tl.reshape(acc5, (TS, NB8, 8)), part_ptr, prow + 5 * NBLK * D, cidx)
+    if G > 6:
+        _v_fma_store(tl.reshape(acc6, (TS, NB8, 8)), part_ptr, prow + 6 * NBLK * D, cidx)
+    if G > 7:
+        _v_fma_store(tl.reshape(acc7, (TS, NB8, 8)), part_ptr, prow + 7 * NBLK * D, cidx)
+
+
+@triton.jit
 def _v_slice(x, K: tl.constexpr, sb, tabr_ptr, p_hi, p_lo, acc):
     """Channels 8b + K of a bit-transposed Value tile: codes, table (bit-reversed index), 3 MMAs."""
     code = ((x >> (8 * K)) & 0xFF).to(tl.int32)

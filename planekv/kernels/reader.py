@@ -25,9 +25,11 @@ from .decode import (
     _key_stage_t8,
     _prep,
     _value_hist,
+    _value_order,
     _value_radix,
     _value_stage,
     _value_stage_c,
+    _value_stage_f,
     _value_ties,
     next_pow2,
 )
@@ -105,6 +107,7 @@ class Plan:
     vimp: torch.Tensor  # [B, Hkv, T] f32: Value importance
     vdep: torch.Tensor  # [B, Hkv, T] i8: Value token depths
     vord: torch.Tensor  # [B, Hkv, T] i16: per block, its tokens of depth > 0, deepest first (compaction)
+    vcnt: torch.Tensor  # [B, Hkv, NBLK] i32: how many (the FMA Value stage)
     hist: torch.Tensor  # [groups, HIST_STRIDE] i32: radix histograms
     ties: torch.Tensor  # [groups, HG * NBLK, KS_PAD] i32
     part: torch.Tensor  # [B, Hq, NBLK, d] f32: per-block weighted sums
@@ -114,7 +117,7 @@ class Plan:
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
         bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits, self.mstat, self.sstat,
-                self.vimp, self.vdep, self.vord, self.hist, self.ties, self.part, self.out_t)
+                self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t)
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
@@ -230,6 +233,7 @@ class TritonReader:
             vimp=torch.empty(batch, hk, max_tokens, **f32),
             vdep=torch.zeros(batch, hk, max_tokens, dtype=torch.int8, device=dev),
             vord=torch.zeros(batch, hk, max_tokens if self.compact_values else 1, dtype=torch.int16, device=dev),
+            vcnt=torch.zeros(batch, hk, n_blocks if self.compact_values else 1, dtype=torch.int32, device=dev),
             hist=torch.zeros(groups, HIST_STRIDE, dtype=torch.int32, device=dev),
             ties=torch.zeros(groups, self.hg * n_blocks, self.kspad_v, dtype=torch.int32, device=dev),
             part=torch.empty(batch, hq, n_blocks, d, **f32), out_t=torch.empty(batch, hq, d, **f32),
@@ -324,7 +328,20 @@ class TritonReader:
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
                               USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
             mark("value_ties")
-        if self.compact_values:
+        if self.assembly == "fma":
+            if self.compact_values:
+                _value_order[grid](lengths, plan.vimp, c["rv"], plan.hist, plan.ties, plan.vdep, plan.vord, plan.vcnt,
+                                   tmax, rate, self.bk, bv_fixed, USE_RATE=use_rate, HKV=hk, HG=self.hg,
+                                   NT_PAD=next_pow2(self.hg * nblk), **vconst, num_warps=nw)
+                mark("value_order")
+            _value_stage_f[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
+                                 plan.hist, plan.ties, c["tabf"], plan.vdep, plan.vord, plan.vcnt, plan.part, slots,
+                                 tmax, nsk,
+                                 rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g,
+                                 G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
+                                 FIXED_V=self.fixed_depth, COMPACT=self.compact_values, TS=32 * nw // (d // 8),
+                                 **vconst, num_warps=nw)
+        elif self.compact_values:
             _value_stage_c[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
                                  plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.vord, plan.part, slots,
                                  tmax, nsk, rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg,

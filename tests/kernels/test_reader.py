@@ -67,9 +67,10 @@ def test_reader_matches_reference(name: str) -> None:
     assert rel < (1e-3 if swapped else 1e-5), rel
 
 
-def test_full_reader_kernel_is_attention_over_depth4() -> None:
+@pytest.mark.parametrize("assembly", ["transpose", "fma"])
+def test_full_reader_kernel_is_attention_over_depth4(assembly: str) -> None:
     codec, cache, q = _setup(seed=7, lengths=[130])
-    out, st = TritonReader(codec, fixed_depth=4).decode(q, cache, 0)
+    out, st = TritonReader(codec, fixed_depth=4, assembly=assembly).decode(q, cache, 0)
     kk = codec.decode(cache.read_k(0, 0, 8), 4, 0, "k")
     vv = codec.decode(cache.read_v(0, 0, 8), 4, 0, "v")
     ref = attention(q[0][:, None], kk, vv, torch.tensor([130]))[:, 0]
@@ -181,16 +182,18 @@ def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, 
     assert ((of - ref).norm() / ref.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("name,hq,hk", [("flexible-r2-k0.3", 4, 2), ("constrained-r2", 8, 8),
-                                        ("explicit-budgets", 16, 2), ("flexible-r4", 3, 1)])
-def test_fma_key_stage_matches_the_reference(name: str, hq: int, hk: int) -> None:
-    """The FMA Key stage for group sizes 2, 1 (MHA), 8 and 3, sequences ending mid-page, and a
-    program of 2 pages (so a sequence spans several programs): same depths and output as the
-    reference reader, every logit written."""
+@pytest.mark.parametrize("name,hq,hk,compact", [("flexible-r2-k0.3", 4, 2, True), ("constrained-r2", 8, 8, False),
+                                                ("explicit-budgets", 16, 2, True), ("flexible-r4", 3, 1, False),
+                                                ("flexible-r2-head-weight", 4, 2, None)])
+def test_fma_stages_match_the_reference(name: str, hq: int, hk: int, compact: bool | None) -> None:
+    """The FMA Key and Value stages for group sizes 2, 1 (MHA), 8 and 3, sequences ending mid-page,
+    a Key program of 2 pages (so a sequence spans several programs), Value tiles over the depth > 0
+    tokens (compact) or over every position: same depths and output as the reference reader, every
+    logit written."""
     policy = POLICIES[name]
     codec, cache, q = _setup(seed=zlib.crc32(name.encode()) % 997 + hq, lengths=[150, 97], hq=hq, hk=hk)
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
-    reader = TritonReader(codec, policy, assembly="fma")
+    reader = TritonReader(codec, policy, assembly="fma", compact_values=compact)
     plan = reader.plan(2, 150, "cpu", pages_per_program=2)
     plan.out.fill_(float("nan"))
     plan.logits.fill_(float("nan"))
