@@ -234,7 +234,7 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
 
 
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
-              k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str = "transpose",
+              k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str | None = None,
               compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None) -> list[Row]:
     from ._dispatch import interpreting
@@ -281,7 +281,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 
 
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
-         scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str = "transpose",
+         scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str | None = None,
          compact_values: bool | None = None, pages_per_program: int | None = None) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device

@@ -45,9 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="flexible reader's K share of the bits (default: the share frozen for each rate, "
                         "planekv/evaluation/k_share.json)")
     a.add_argument("--num-warps", type=int, default=4, help="warps per program of the Key and Value stages")
-    a.add_argument("--assembly", choices=("transpose", "serial", "fma"), default="transpose",
-                   help="code assembly in the Key and Value stages: bit transposition with MMAs (default), "
-                        "bit-serial with MMAs, or the FMA Key stage (tokens across threads, float32 FMAs)")
+    a.add_argument("--assembly", choices=("fma", "transpose", "serial"), default=None,
+                   help="how the Key and Value stages decode: float32 FMAs on the CUDA cores, one row of 8 "
+                        "tokens (Key) or one token's 8 channels (Value) per thread (the default up to 8 query "
+                        "heads per KV head); bit transposition with MMAs (the default above); bit-serial with MMAs")
     a.add_argument("--pages-per-program", type=int, default=None,
                    help="pages per Key-stage program (default: the reader's, by assembly)")
     a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",

@@ -869,10 +869,10 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
                  USE_RATE: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
                  PACKET: tl.constexpr, NT_PAD: tl.constexpr):
-    """Token depths of a block (as in :func:`_value_stage_c`) and its depth > 0 tokens sorted by
-    depth, deepest first (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many),
-    for the compacting FMA Value stage. A kernel of its own: the sort and the tie ranks need many
-    registers, which would otherwise cap the occupancy of the Value stage's loop."""
+    """Token depths of a block (as in :func:`_value_stage_c`) and the list of its depth > 0 tokens
+    in position order (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many), for
+    the compacting FMA Value stage. A kernel of its own: the depths' tie ranks over the whole block
+    need many registers, which would otherwise cap the occupancy of the Value stage's loop."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     NBLK = tl.num_programs(1)
@@ -887,10 +887,12 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
     bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
     s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
     tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
-    srt = tl.sort(tl.where(s > 0, ((W - s) << 11) | lp, 0x7FFF))
-    n_items = tl.sum((s > 0).to(tl.int32), 0)
-    tl.store(vord_ptr + pid_bh * TMAX + blk * BLK + lp, srt.to(tl.int16), mask=lp < n_items)
-    tl.store(vcnt_ptr + pid_bh * NBLK + blk, n_items)
+    # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread
+    # decodes its own token, so tokens of mixed depths in one tile cost nothing extra)
+    act = s > 0
+    slot = tl.cumsum(act.to(tl.int32), 0) - 1
+    tl.store(vord_ptr + pid_bh * TMAX + blk * BLK + slot, (((W - s) << 11) | lp).to(tl.int16), mask=act)
+    tl.store(vcnt_ptr + pid_bh * NBLK + blk, tl.sum(act.to(tl.int32), 0))
 
 
 @triton.jit
@@ -907,8 +909,8 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     its depth (masked byte loads), an 8x8 bit transpose (the codes of its 8 channels), 8 lookups in
     the float32 table and 8 x G FMAs with the token's probabilities into per-thread accumulators,
     reduced over the tile's tokens once per program. With COMPACT the tiles walk only the block's
-    depth > 0 tokens, deepest first, as :func:`_value_order` listed them, so depth-0 tokens cost
-    nothing; otherwise positions in order (depth-0 tokens' loads are masked off)."""
+    depth > 0 tokens, as :func:`_value_order` listed them, so depth-0 tokens cost nothing;
+    otherwise positions in order (depth-0 tokens' loads are masked off)."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     NBLK = tl.num_programs(1)

@@ -129,7 +129,9 @@ class TritonReader:
     """
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
-                 fixed_depth: int = 0, assembly: str = "transpose", compact_values: bool | None = None) -> None:
+                 fixed_depth: int = 0, assembly: str | None = None, compact_values: bool | None = None) -> None:
+        if assembly is None:  # the FMA stages, which hold one accumulator per query head of a group (<= 8)
+            assembly = "fma" if codec.spec.group_size <= 8 else "transpose"
         if assembly not in ASSEMBLY:
             raise ValueError(f"assembly must be one of {ASSEMBLY}, got {assembly!r}")
         if assembly == "fma" and codec.spec.group_size > 8:
@@ -161,6 +163,10 @@ class TritonReader:
         # (explicit budgets: the mean depth depends on T, so the tile path)
         mean_v = (2 * d * pol.rate - self.bk) / d if pol.rate is not None else float(w)
         auto = pol.min_depth_v == 0 and (mean_v <= 1.0 or d >= 256)
+        if assembly == "fma":
+            # the FMA Value stage decodes one token per thread: compaction costs one prefix sum per
+            # block and pays for every policy measured (run 25, docs/KERNEL_NOTES.md)
+            auto = True
         self.compact_values = (auto if compact_values is None else compact_values) and not fixed_depth
         if self.bk < pol.min_depth_k * d:
             raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")

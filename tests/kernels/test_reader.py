@@ -211,15 +211,17 @@ def test_fma_stages_match_the_reference(name: str, hq: int, hk: int, compact: bo
     assert rel < (1e-3 if swapped else 1e-5), rel
 
 
-def test_fma_key_stage_refuses_groups_over_8() -> None:
+def test_fma_stages_refuse_groups_over_8_and_the_default_falls_back() -> None:
     codec, _, _ = _setup(seed=3, lengths=[8], hq=32, hk=2)
     with pytest.raises(ValueError, match="8 query heads"):
         TritonReader(codec, assembly="fma")
+    assert TritonReader(codec).assembly == "transpose"  # G = 16: the MMA stages
+    assert TritonReader(_setup(seed=3, lengths=[8])[0]).assembly == "fma"
 
 
 def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:
     codec, cache, q = _setup(seed=5, lengths=[70])
-    reader = TritonReader(codec, ReadPolicy.flexible(4.0))
+    reader = TritonReader(codec, ReadPolicy.flexible(4.0), assembly="transpose")
     reader.plan(1, 70, "cpu", pages_per_program=1)
     assert not reader._transposing(cache.spec.page_size)  # M = P / 8 < 16 rows: bit-serial kernel
     with pytest.raises(ValueError, match="assembly"):
@@ -237,11 +239,12 @@ def test_reversed_table_is_indexed_by_bit_reversed_codes() -> None:
         assert tabr[t, rev] == tab[t, c]
 
 
-@pytest.mark.parametrize("d", [64, 256])
-def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int) -> None:
-    """The compacting Value stage (tokens of depth > 0 only, sorted by depth) gives the same depths
-    and, up to float32 summation order, the same per-block partial sums as the one that walks every
-    32-token tile; at R = 2 with most of the budget on Keys most tokens have Value depth 0."""
+@pytest.mark.parametrize("d,assembly", [(64, "transpose"), (256, "transpose"), (64, "fma"), (256, "fma")])
+def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int, assembly: str) -> None:
+    """The compacting Value stage (tokens of depth > 0 only: sorted by depth for the MMA stage, in
+    position order for the FMA stage) gives the same depths and, up to float32 summation order, the
+    same output as the one that walks every position; at R = 2 with most of the budget on Keys most
+    tokens have Value depth 0."""
     codec, cache, q = _setup(seed=77 + d, lengths=[150, 97], d=d, hk=1 if d > 128 else 2)
     policy = ReadPolicy.flexible(2.0, k_share=0.875)
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
@@ -264,19 +267,28 @@ def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int) -> No
     got_pos = keys & 2047
     assert sorted(got_pos.tolist()) == torch.nonzero(depths > 0).flatten().tolist()
     assert torch.equal(got_depth, depths[got_pos].long())
-    assert bool((got_depth[:-1] >= got_depth[1:]).all())
+    if assembly == "transpose":  # deepest first
+        assert bool((got_depth[:-1] >= got_depth[1:]).all())
+    else:  # position order
+        assert bool((got_pos[:-1] < got_pos[1:]).all())
     torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-6)
     assert ((o1 - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_compaction_is_chosen_where_it_was_measured_faster() -> None:
-    """compact_values=None picks the compacting Value stage for sparse Value reads (mean depth <= 1
-    plane, no minimum) and for d >= 256; never for the Full Reader; explicit choices win."""
+    """compact_values=None: the FMA stages (the default) always compact (every policy measured was
+    faster); the MMA stages compact sparse Value reads (mean depth <= 1 plane, no minimum) and
+    d >= 256 only. Never the Full Reader; explicit choices win."""
     codec, _, _ = _setup(seed=1, lengths=[8])  # d = 64
-    assert TritonReader(codec, ReadPolicy.flexible(2.0, k_share=0.875)).compact_values  # 0.5 plane
-    assert not TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75)).compact_values  # 2 planes
-    assert not TritonReader(codec, ReadPolicy.constrained(2.0)).compact_values  # minimum depth 1
+    for pol in (ReadPolicy.flexible(2.0, k_share=0.875), ReadPolicy.flexible(4.0, k_share=0.75),
+                ReadPolicy.constrained(2.0)):
+        assert TritonReader(codec, pol).compact_values
+    assert not TritonReader(codec, ReadPolicy.constrained(2.0), compact_values=False).compact_values
+    mma = dict(assembly="transpose")
+    assert TritonReader(codec, ReadPolicy.flexible(2.0, k_share=0.875), **mma).compact_values  # 0.5 plane
+    assert not TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), **mma).compact_values  # 2 planes
+    assert not TritonReader(codec, ReadPolicy.constrained(2.0), **mma).compact_values  # minimum depth 1
     assert not TritonReader(codec, fixed_depth=4, compact_values=True).compact_values
-    assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), compact_values=True).compact_values
+    assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), compact_values=True, **mma).compact_values
     codec256, _, _ = _setup(seed=1, lengths=[8], d=256, hk=1)
-    assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75)).compact_values
+    assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75), **mma).compact_values
