@@ -250,7 +250,7 @@ def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int, assem
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
     runs = {}
     for compact in (False, True):
-        reader = TritonReader(codec, policy, compact_values=compact)
+        reader = TritonReader(codec, policy, compact_values=compact, assembly=assembly)
         plan = reader.plan(2, 150, "cpu")
         plan.part.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
