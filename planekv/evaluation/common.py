@@ -30,11 +30,14 @@ ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", 
 # readkv-flexible-hw = the flexible reader with ReadPolicy.value_head_weight;
 # readkv-flexible-kv = the flexible reader with ReadPolicy.key_variance_correction;
 # readkv-flexible-sink = the flexible reader with ReadPolicy.sink_keys = 1;
-# readkv-flexible-stv = the flexible reader with ReadPolicy.single_token_values.
+# readkv-flexible-stv = the flexible reader with ReadPolicy.single_token_values;
+# readkv-flexible-kr = the flexible reader with a third stage, ReadPolicy.key_refine = 0.3 (30% of the Key
+# budget refines the tokens of largest p^2 to full depth; chosen on the dev text, EVALUATION.md).
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"readkv-flexible-hw": {"value_head_weight": True},
                                               "readkv-flexible-kv": {"key_variance_correction": True},
                                               "readkv-flexible-sink": {"sink_keys": 1},
-                                              "readkv-flexible-stv": {"single_token_values": True}}
+                                              "readkv-flexible-stv": {"single_token_values": True},
+                                              "readkv-flexible-kr": {"key_refine": 0.3}}
 VARIANTS = tuple(VARIANT_OPTIONS)
 FLEXIBLE = ("readkv-flexible", *VARIANTS)
 RATES = (4.0, 2.0)
@@ -140,6 +143,8 @@ def label(row: SystemRow, system: KVSystem) -> str:
         s += " + head weight" if pol.value_head_weight else ""
         s += " + key variance" if pol.key_variance_correction else ""
         s += f" + {pol.sink_keys} sink key" if pol.sink_keys else ""
+        s += f" + Key refinement {pol.key_refine:g}" if pol.key_refine else ""
+        s += f" (blocks of {pol.key_refine_block})" if pol.key_refine and pol.key_refine_block > 1 else ""
         return s + (" + single-token values" if pol.single_token_values else "")
     return system.name
 
