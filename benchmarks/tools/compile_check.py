@@ -164,12 +164,11 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                             num_warps=nw, sass_dir=sd, tag=t)
             if want(K._value_stage_f):
                 for compact in ((False,) if fixed else (True, False)):
-                    compile_one(K._value_stage_f, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
-                                                       sstat_ptr=PI, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
-                                                       tabf_ptr=PI, vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32,
-                                                       part_ptr=PI,
-                                                       SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64", BK="i32",
-                                                       BV_FIXED="i32"),
+                    compile_one(K._value_stage_f, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI,
+                                                       mstat_ptr=PI, sstat_ptr=PI, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32,
+                                                       tie_ptr=P32, tabf_ptr=PI, vdep_ptr="*i8", vord_ptr="*i16",
+                                                       vcnt_ptr=P32, part_ptr=PI, SLOTS="i32", TMAX="i32", NSK="i32",
+                                                       RATE="fp64", BK="i32", BV_FIXED="i32"),
                                 dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
                                      NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, COMPACT=compact,
                                      TS=32 * nw // (d // 8), **vc),

@@ -223,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS + VARIANTS)
     p.add_argument("--rates", nargs="+", type=float, default=[4.0, 2.0])
     p.add_argument("--long-systems", nargs="*", default=["dense", "readkv-flexible", "readkv-constrained"],
-                   choices=ALL_SYSTEMS, help="systems at the longest context (empty: --systems)")
+                   choices=ALL_SYSTEMS + VARIANTS, help="systems at the longest context (empty: --systems)")
     p.add_argument("--long-rates", nargs="*", type=float, default=[2.0], help="rates at the longest context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reader", default="reference", help="decode reader (planekv.models.hf.READERS)")

@@ -95,6 +95,9 @@ def plot(out: str | Path) -> Path | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     markers = {"dense": "*", "readkv-flexible": "o", "readkv-constrained": "s", "full-reader": "^",
                "turboquant": "v", "kivi": "D", "sparq": "P", "fp8": "X"}
+    # named variants of the flexible reader (planekv.evaluation.common.VARIANTS) get markers too
+    for name in sorted({r["name"] for x in (ppl, pk) if x for r in x["rows"]} - set(markers)):
+        markers[name] = "h"
     ax_i = 0
     if ppl:
         ax = axes[0][ax_i]

@@ -116,7 +116,8 @@ class Plan:
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
-        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits, self.mstat, self.sstat,
+        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits,
+                self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t)
         return sum(t.numel() * t.element_size() for t in bufs)
 
@@ -303,7 +304,8 @@ class TritonReader:
         torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
         mark("q_transform")
         _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.kord,
-                         plan.kcnt, plan.hist, self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k, KS_PAD=self.kspad_k,
+                         plan.kcnt, plan.hist, self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k,
+                         KS_PAD=self.kspad_k,
                          MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg), num_warps=4)
         mark("prep")
         if self.assembly == "fma":

@@ -39,13 +39,15 @@ def test_perplexity_job_without_dense_row_and_with_variants(tiny_model_dir, cali
     variant reads at the budget."""
     rc = perplexity.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
                           "--window", "64", "--windows", "1", "--texts", "mansfield_park", "--systems",
-                          "readkv-flexible-kv", "readkv-flexible-sink", "--rates", "2", "--device", "cpu"])
+                          "readkv-flexible-kv", "readkv-flexible-sink", "readkv-flexible-kr", "--rates", "2",
+                          "--device", "cpu"])
     assert rc == 0
     rows = json.loads((tmp_path / "perplexity.json").read_text())["rows"]
-    assert {r["name"] for r in rows} == {"readkv-flexible-kv", "readkv-flexible-sink"}
+    assert {r["name"] for r in rows} == {"readkv-flexible-kv", "readkv-flexible-sink", "readkv-flexible-kr"}
     assert all(r["ppl_change_pct"] is None and r["read_fraction"] <= 2 / 16 + 1e-9 for r in rows)
     md = (tmp_path / "report.md").read_text()
-    assert "+ key variance" in md and "+ 1 sink key" in md
+    assert "+ key variance" in md and "+ 1 sink key" in md and "+ Key refinement 0.3" in md
+    assert (tmp_path / "quality_vs_read.png").stat().st_size > 1000
 
 
 def test_perplexity_job_writes_outputs(tiny_model_dir, calib_path, tmp_path):
@@ -75,6 +77,21 @@ def test_passkey_job_writes_outputs(tiny_model_dir, calib_path, tmp_path):
     assert all(r["trials"] == 2 for r in res["rows"])
     assert len(res["details"]) == 4
     assert (tmp_path / "report.md").read_text().count("| 200 |") == 2
+
+
+def test_passkey_job_runs_a_named_variant_at_the_longest_context(tiny_model_dir, calib_path, tmp_path):
+    """A variant (here Key refinement) can be the long-context row; the report and plot include it."""
+    rc = passkey.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                       "--contexts", "200", "--trials", "2", "--systems", "dense", "readkv-flexible-kr",
+                       "--rates", "2", "--long-systems", "dense", "readkv-flexible-kr", "--long-rates", "2",
+                       "--device", "cpu"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "passkey.json").read_text())["rows"]
+    assert {r["name"] for r in rows} == {"dense", "readkv-flexible-kr"}
+    kr = next(r for r in rows if r["name"] == "readkv-flexible-kr")
+    assert 0 < kr["read_fraction"] <= 2 / 16 + 1e-9
+    assert "+ Key refinement 0.3" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "quality_vs_read.png").stat().st_size > 1000
 
 
 def test_split_search_job(tiny_model_dir, calib_path, tmp_path):

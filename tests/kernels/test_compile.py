@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_key_stage_f", "_value_order", "_value_stage_f", "_value_hist", "_value_radix", "_value_ties", "_value_stage",
-           "_value_stage_c", "_combine", "_encode_append", "_fp8_stage1"}
+KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_key_stage_f", "_value_order", "_value_stage_f", "_value_hist",
+           "_value_radix", "_value_ties", "_value_stage", "_value_stage_c", "_combine", "_encode_append", "_fp8_stage1"}
 
 
 def test_all_kernels_compile_for_sm90(tmp_path):

@@ -201,7 +201,8 @@ def test_mqa(synthetic):
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True), ReadPolicy.flexible(2.0, 0.8, sink_keys=2),
     ReadPolicy.flexible(2.0, 0.8, key_variance_correction=True, sink_keys=3),
     ReadPolicy.constrained(2.0, sink_keys=1), ReadPolicy.flexible(2.0, 0.875, single_token_values=True),
-    ReadPolicy.flexible(2.0, 0.875, key_refine=0.25), ReadPolicy.flexible(2.0, 0.875, key_refine=0.25, key_refine_block=16),
+    ReadPolicy.flexible(2.0, 0.875, key_refine=0.25),
+    ReadPolicy.flexible(2.0, 0.875, key_refine=0.25, key_refine_block=16),
     ReadPolicy.constrained(2.0, key_refine=0.3)],
     ids=["flex", "constr", "flex-kvc", "flex-sink", "flex-kvc-sink", "constr-sink", "flex-stv", "flex-kr",
          "flex-kr16", "constr-kr"])

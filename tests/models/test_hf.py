@@ -130,10 +130,12 @@ def test_reader_table():
 
 
 def test_reference_only_options_refuse_other_readers(llama):
-    """The kernels do not implement key_variance_correction or sink_keys: a cache that would send
-    such a policy to them refuses it instead of silently reading without the option."""
+    """The kernels do not implement key_variance_correction, sink_keys, single_token_values or
+    key_refine: a cache that would send such a policy to them refuses it instead of silently reading
+    without the option."""
     model, codec = llama
-    for kw in ({"key_variance_correction": True}, {"sink_keys": 1}, {"single_token_values": True}):
+    for kw in ({"key_variance_correction": True}, {"sink_keys": 1}, {"single_token_values": True},
+               {"key_refine": 0.3}):
         pol = ReadPolicy.flexible(2.0, **kw)
         with pytest.raises(ValueError, match="reference reader only"):
             hf.make_cache(model, ReadKV(codec, pol), reader="triton")
