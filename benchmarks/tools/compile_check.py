@@ -156,6 +156,10 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                             dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
                                  NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), T8=d >= 256, **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
+            if not fixed and want(K._radix_select):
+                compile_one(K._radix_select, dict(hist_ptr=P32, len_ptr=P32, RATE="fp64", BK="i32", BV_FIXED="i32"),
+                            dict(USE_RATE=True, PASS=3, HKV=hk, HG=hg, D=d, W=8, MIN_V=min_v, PACKET=pk, KS=ks_v),
+                            num_warps=1, sass_dir=sd, tag=t)
             if not fixed and want(K._value_order):
                 compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
                                                  vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32, TMAX="i32",

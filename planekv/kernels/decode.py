@@ -40,7 +40,11 @@ import triton.language as tl
 RBITS = tl.constexpr(4)
 NBINS = tl.constexpr(16)
 NPASS = tl.constexpr(8)
-HIST_STRIDE = 16 * 8  # int32 histogram words per group
+# int32 words per group: 8 histograms of 16 bins, then per pass the digits chosen so far and the keys
+# still to take among those that match them (written by _radix_select after each pass)
+HSTRIDE = tl.constexpr(16 * 8 + 2 * 8)
+SELBASE = tl.constexpr(16 * 8)
+HIST_STRIDE = 16 * 8 + 2 * 8
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -82,21 +86,29 @@ def _select_digit(hist_ptr, NB: tl.constexpr, need):
 
 
 @triton.jit
-def _prefix(hist_ptr, count, upto: tl.constexpr):
-    """Digits chosen by passes 1..upto (as one value aligned at bit max(31 - RBITS * upto, 0)) and
-    the keys still to take among those that match them."""
-    pref = count * 0
-    rem = count
-    for pas in tl.static_range(1, upto + 1):
-        dsel, rem = _select_digit(hist_ptr + (pas - 1) * NBINS, NBINS, rem)
-        pref = (pref << min(RBITS, 31 - RBITS * (pas - 1))) | dsel  # (a constexpr can't be reassigned per pass)
-    return pref, rem
-
-
-@triton.jit
-def _lambda(hist_ptr, count):
-    """Exact lambda (float32 bit pattern) and the number of keys equal to it to take."""
-    return _prefix(hist_ptr, count, NPASS)
+def _radix_select(hist_ptr, len_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, PASS: tl.constexpr,
+                  HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr,
+                  PACKET: tl.constexpr, KS: tl.constexpr):
+    """One program per allocation group, after radix pass PASS: the digit of the count-th largest
+    key in that pass's histogram, appended to the digits of earlier passes, and the keys still to
+    take among those matching them, stored once (SELBASE + 2 (PASS - 1)) so that the next pass and the
+    Value stage read two words instead of every program re-deriving them from the histograms (a chain
+    of dependent loads per program, which dominated the passes)."""
+    grp = tl.program_id(0)
+    b = grp // (HKV // HG)
+    T = _load_scalar(len_ptr + b)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    hbase = hist_ptr + grp * HSTRIDE
+    if PASS == 1:
+        pref = count * 0
+        rem = tl.maximum(count, 1)
+    else:
+        pref = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))
+        rem = _load_scalar(hbase + SELBASE + 2 * (PASS - 2) + 1)
+    dsel, rem = _select_digit(hbase + (PASS - 1) * NBINS, NBINS, rem)
+    pref = (pref << min(RBITS, 31 - RBITS * (PASS - 1))) | dsel
+    tl.store(hbase + SELBASE + 2 * (PASS - 1), pref)
+    tl.store(hbase + SELBASE + 2 * (PASS - 1) + 1, rem)
 
 
 @triton.jit
@@ -195,7 +207,7 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
     tl.store(kcnt_ptr + b * HKV + h0 + hh, tl.sum(act.to(tl.int32), 1), mask=hvalid)
     # this group's radix histograms start at zero every step
     zi = tl.arange(0, NBINS * NPASS)
-    tl.store(hist_ptr + pid * (NBINS * NPASS) + zi, tl.zeros([NBINS * NPASS], tl.int32))
+    tl.store(hist_ptr + pid * HSTRIDE + zi, tl.zeros([NBINS * NPASS], tl.int32))
 
 
 # ----------------------------------------------------------------------------- Key stage
@@ -550,7 +562,7 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         SH1: tl.constexpr = 31 - RBITS
         hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
         bins = tl.arange(0, NBINS)
-        tl.atomic_add(hist_ptr + grp * (NBINS * NPASS) + bins, hist, mask=hist > 0)
+        tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0)
 
 
 @triton.jit
@@ -566,8 +578,8 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, TMAX, RATE, BK, BV_FIXED, U
     T = _load_scalar(len_ptr + b)
     if blk * BLK < T:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-        hbase = hist_ptr + grp * (NBINS * NPASS)
-        prefix, _ = _prefix(hbase, tl.maximum(count, 1), PASS - 1)
+        hbase = hist_ptr + grp * HSTRIDE
+        prefix = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))  # digits of passes 1..PASS-1
         pos = blk * BLK + tl.arange(0, BLK)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
@@ -599,7 +611,7 @@ def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_
     grp, hl = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    lam, _ = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+    lam = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1))
     lam = tl.where(count > 0, lam, 0x7FFFFFFF)
     pos = blk * BLK + tl.arange(0, BLK)
     bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
@@ -621,7 +633,8 @@ def _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED
     order (head, then block)."""
     kk = tl.arange(0, KS_PAD)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    lam, need = _lambda(hist_ptr + grp * (NBINS * NPASS), tl.maximum(count, 1))
+    lam = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1))
+    need = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1) + 1)
     lam = tl.where(count > 0, lam, 0x7FFFFFFF)
     need = tl.where(count > 0, need, 0)
     NT = HG * NBLK

@@ -24,6 +24,7 @@ from .decode import (
     _key_stage_f,
     _key_stage_t8,
     _prep,
+    _radix_select,
     _value_hist,
     _value_order,
     _value_radix,
@@ -329,9 +330,13 @@ class TritonReader:
                               BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v, HEAD_WEIGHT=pol.value_head_weight,
                               num_warps=nw)
             mark("value_hist")
+            sel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
+                       KS=self.ks_v, num_warps=1)
+            _radix_select[(groups,)](plan.hist, lengths, rate, self.bk, bv_fixed, PASS=1, **sel)
             for pas in range(2, NPASS.value + 1):
                 _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, tmax, rate, self.bk, bv_fixed,
                                    USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
+                _radix_select[(groups,)](plan.hist, lengths, rate, self.bk, bv_fixed, PASS=pas, **sel)
                 mark(f"value_radix{pas}")
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
                               USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
