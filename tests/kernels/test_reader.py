@@ -229,14 +229,16 @@ def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:
 
 
 def test_reversed_table_is_indexed_by_bit_reversed_codes() -> None:
-    from planekv.kernels.reader import packed_table, reversed_table
+    from planekv.kernels.reader import packed_table, reversed_table, reversed_table_f32
 
     codec, _, _ = _setup(seed=1, lengths=[8])
     w = codec.width
     tab, tabr = packed_table(codec).view(w + 1, -1), reversed_table(codec).view(w + 1, -1)
+    exact, tabf = codec.tree.table().float(), reversed_table_f32(codec).view(w + 1, -1)
     for t, c in [(3, 0b10100000), (8, 0b11010010), (1, 0b10000000), (5, 0b01101000)]:
         rev = int(f"{c:0{w}b}"[::-1], 2)
         assert tabr[t, rev] == tab[t, c]
+        assert tabf[t, rev] == exact[t, c]  # the FMA stages' float32 table: the tree's values
 
 
 @pytest.mark.parametrize("d,assembly", [(64, "transpose"), (256, "transpose"), (64, "fma"), (256, "fma")])
