@@ -32,12 +32,14 @@ ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", 
 # readkv-flexible-sink = the flexible reader with ReadPolicy.sink_keys = 1;
 # readkv-flexible-stv = the flexible reader with ReadPolicy.single_token_values;
 # readkv-flexible-kr = the flexible reader with a third stage, ReadPolicy.key_refine = 0.3 (30% of the Key
-# budget refines the tokens of largest p^2 to full depth; chosen on the dev text, EVALUATION.md).
+# budget refines the tokens of largest p^2 to full depth; chosen on the dev text, EVALUATION.md);
+# readkv-flexible-kr16 = the same in aligned blocks of 16 positions (key_refine 0.2: its dev choice).
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"readkv-flexible-hw": {"value_head_weight": True},
                                               "readkv-flexible-kv": {"key_variance_correction": True},
                                               "readkv-flexible-sink": {"sink_keys": 1},
                                               "readkv-flexible-stv": {"single_token_values": True},
-                                              "readkv-flexible-kr": {"key_refine": 0.3}}
+                                              "readkv-flexible-kr": {"key_refine": 0.3},
+                                              "readkv-flexible-kr16": {"key_refine": 0.2, "key_refine_block": 16}}
 VARIANTS = tuple(VARIANT_OPTIONS)
 FLEXIBLE = ("readkv-flexible", *VARIANTS)
 RATES = (4.0, 2.0)
