@@ -661,6 +661,24 @@ def _depths(bimp, valid, r_ptr, lam, need, run, KS: tl.constexpr, KS_PAD: tl.con
 
 
 @triton.jit
+def _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE, BK,
+                  BV_FIXED, USE_RATE: tl.constexpr, D: tl.constexpr, W: tl.constexpr, HG: tl.constexpr,
+                  MIN_V: tl.constexpr, PACKET: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
+                  NT_PAD: tl.constexpr, BLK: tl.constexpr):
+    """Value depths of a whole block of BLK tokens at once (ties at lambda in (step, item) order),
+    stored to ``vdep``; returns (position in the block, depth) for the compaction that follows."""
+    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
+                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
+    lp = tl.arange(0, BLK)
+    pos = blk * BLK + lp
+    valid = pos < T
+    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
+    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    return lp, s
+
+
+@triton.jit
 def _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D: tl.constexpr, W: tl.constexpr,
                    P: tl.constexpr):
     """One 32-token Value tile, bit-serial: ``rows`` [32] is each token's row in plane 0 (page * W * P
@@ -813,15 +831,8 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     h = pid_bh % HKV
     grp, hl = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
-    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
-                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
-    # depths of the block's tokens, ties at lambda in (step, item) order
-    lp = tl.arange(0, BLK)
-    pos = blk * BLK + lp
-    valid = pos < T
-    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
-    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
+                          BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
     # compaction: deepest first, depth-0 and padding tokens last (key 0x7FFF)
     srt = tl.sort(tl.where(s > 0, ((W - s) << 11) | lp, 0x7FFF))
     nz = tl.sum((s > 0).to(tl.int32), 0)
@@ -895,14 +906,8 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
     b = pid_bh // HKV
     grp, hl = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
-    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
-                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
-    lp = tl.arange(0, BLK)
-    pos = blk * BLK + lp
-    valid = pos < T
-    bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
-    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
+                          BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
     # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread
     # decodes its own token, so tokens of mixed depths in one tile cost nothing extra)
     act = s > 0

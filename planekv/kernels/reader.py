@@ -59,29 +59,28 @@ def reversed_table(codec: Codec) -> torch.Tensor:
     The transposing Key stage assembles codes with plane j at bit j (the stored code has it at bit
     W - 1 - j)."""
     w = codec.width
-    tab = packed_table(codec).reshape(w + 1, 1 << w)
+    return packed_table(codec).reshape(w + 1, 1 << w)[:, _bit_reversal(w)].reshape(-1).contiguous()
+
+
+def _bit_reversal(w: int) -> torch.Tensor:
+    """rev_W(c) for every W-bit code c."""
     c = torch.arange(1 << w)
     rev = torch.zeros_like(c)
     for j in range(w):
         rev |= ((c >> j) & 1) << (w - 1 - j)
-    return tab[:, rev].reshape(-1).contiguous()
+    return rev
 
 
 def reversed_table_f32(codec: Codec) -> torch.Tensor:
     """The reconstruction table in float32, indexed by bit-reversed codes (entry [t, c'] is the
     tree's value for depth t and code rev_W(c')): the FMA Key stage's table."""
     w = codec.width
-    tab = codec.tree.table().float().reshape(w + 1, 1 << w)
-    c = torch.arange(1 << w)
-    rev = torch.zeros_like(c)
-    for j in range(w):
-        rev |= ((c >> j) & 1) << (w - 1 - j)
-    return tab[:, rev].reshape(-1).contiguous()
+    return codec.tree.table().float().reshape(w + 1, 1 << w)[:, _bit_reversal(w)].reshape(-1).contiguous()
 
 
-# How the kernels build codes from planes: "fma" (Key stage on the CUDA cores, tokens across threads,
-# the transposing Value stage rule as for "transpose"), "transpose" (word-level bit transposition,
-# MMAs), "serial" (bit-serial assembly, MMAs).
+# How the Key and Value stages decode planes: "fma" (on the CUDA cores, float32 table and FMAs, one row
+# of 8 tokens or one token's 8 channels per thread), "transpose" (word-level bit transposition feeding
+# MMAs), "serial" (bit-serial assembly feeding MMAs).
 ASSEMBLY = ("transpose", "serial", "fma")
 
 
@@ -163,12 +162,10 @@ class TritonReader:
         # gathering pays where most tokens are not read (mean Value depth <= 1 plane, no minimum
         # depth) and at d >= 256, whose 32-byte token rows keep the gathers sector-efficient.
         # (explicit budgets: the mean depth depends on T, so the tile path)
+        # The FMA Value stage decodes one token per thread: compaction costs one prefix sum per block
+        # and paid for every policy measured (run 25, docs/KERNEL_NOTES.md), so it always compacts.
         mean_v = (2 * d * pol.rate - self.bk) / d if pol.rate is not None else float(w)
-        auto = pol.min_depth_v == 0 and (mean_v <= 1.0 or d >= 256)
-        if assembly == "fma":
-            # the FMA Value stage decodes one token per thread: compaction costs one prefix sum per
-            # block and pays for every policy measured (run 25, docs/KERNEL_NOTES.md)
-            auto = True
+        auto = assembly == "fma" or (pol.min_depth_v == 0 and (mean_v <= 1.0 or d >= 256))
         self.compact_values = (auto if compact_values is None else compact_values) and not fixed_depth
         if self.bk < pol.min_depth_k * d:
             raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")
