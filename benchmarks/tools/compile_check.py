@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from planekv.kernels import decode as K
 from planekv.kernels import encode as E
 from planekv.kernels import fp8 as F
+from planekv.kernels import refine as R
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -81,6 +82,43 @@ def main() -> None:
             json.dump(recs, f, indent=1)
 
 
+def compile_refine(hq: int, hk: int, hg: int, hgp: int, g: int, g2: int, d: int, radix_passes: tuple[int, ...],
+                   nw: int, sd: str | None, t: str, want) -> None:
+    """The kernels of planekv.kernels.refine for one geometry and reader."""
+    if want(R._refine_score):
+        compile_one(R._refine_score, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, qt_ptr=PI, sig_ptr=PI,
+                                          kdep_ptr=P32, dist_ptr=PI, rkey_ptr=P32, rcost_ptr=P32, rhist_ptr=P32,
+                                          scale="fp32", TMAX="i32", NSK="i32"),
+                    dict(HQ=hq, HKV=hk, HG=hg, HG_PAD=hgp, G=g, G2=g2, NSK_PAD=128, D=d, W=8, BLK=1024),
+                    num_warps=nw, sass_dir=sd, tag=t)
+    for pas in (1, K.NPASS.value):
+        if want(R._refine_select):
+            compile_one(R._refine_select, dict(rhist_ptr=P32, rsel_ptr="*i64", rcost_ptr=P32, len_ptr=P32, BKR="i32"),
+                        dict(PASS=pas, HKV=hk, HG=hg, HG_PAD=hgp), num_warps=1, sass_dir=sd, tag=f"{t}p{pas}")
+    for pas in radix_passes:
+        if want(R._refine_radix):
+            compile_one(R._refine_radix, dict(rkey_ptr=P32, len_ptr=P32, rsel_ptr="*i64", rhist_ptr=P32, TMAX="i32"),
+                        dict(PASS=pas, HKV=hk, HG=hg, HG_PAD=hgp, BLK=1024), num_warps=nw, sass_dir=sd,
+                        tag=f"{t}p{pas}")
+    if want(R._refine_ties):
+        compile_one(R._refine_ties, dict(rkey_ptr=P32, len_ptr=P32, rsel_ptr="*i64", rtie_ptr=P32, TMAX="i32"),
+                    dict(HKV=hk, HG=hg, BLK=1024), num_warps=nw, sass_dir=sd, tag=t)
+    if want(R._refine_order):
+        compile_one(R._refine_order, dict(rkey_ptr=P32, len_ptr=P32, rsel_ptr="*i64", rtie_ptr=P32, rcost_ptr=P32,
+                                          rord_ptr="*i16", rcnt_ptr=P32, TMAX="i32"),
+                    dict(HKV=hk, HG=hg, HG_PAD=hgp, BLK=1024, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length())),
+                    num_warps=nw, sass_dir=sd, tag=t)
+    if want(R._key_refine_f):
+        compile_one(R._key_refine_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, rord_ptr="*i16", rcnt_ptr=P32,
+                                          qt_ptr=PI, sig_ptr=PI, base_ptr=PI, tabw_ptr=PI, logit_ptr=PI, scale="fp32",
+                                          SLOTS="i32", TMAX="i32"),
+                    dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, BLK=1024, TS=max(1, 1024 // d)), num_warps=nw,
+                    sass_dir=sd, tag=t)
+    if want(R._key_restat):
+        compile_one(R._key_restat, dict(logit_ptr=PI, len_ptr=P32, mstat_ptr=PI, sstat_ptr=PI, TMAX="i32"),
+                    dict(HQ=hq, HKV=hk, G=g, G2=g2, NTOK=1024), num_warps=nw, sass_dir=sd, tag=t)
+
+
 def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: str | None = None,
                 radix_passes: tuple[int, ...] = (2, 3)) -> list[dict]:
     """Compile every kernel for each "Hq/Hkv/d" geometry (flexible, constrained, full-4 variants);
@@ -107,8 +145,9 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             if want(K._prep):
                 compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16", wlo_ptr="*fp16",
                                           base_ptr=PI, kdep_ptr=P32, kord_ptr=P32, kcnt_ptr=P32, hist_ptr=P32,
-                                          count_k="i32"),
-                            dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp),
+                                          count_k="i32", rhist_ptr=P32),
+                            dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
+                                 RHW=0 if fixed else hgp * R.HIST_STRIDE_R),
                             num_warps=4, sass_dir=sd, tag=t)
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
@@ -130,6 +169,8 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32", TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=16), num_warps=nw, sass_dir=sd, tag=t)
             vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
+            if not fixed:  # the Key-refinement stage (both readers)
+                compile_refine(hq, hk, hg, hgp, g, g2, d, radix_passes, nw, sd, t, want)
             if not fixed:
                 if want(K._value_hist):
                     compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, r_ptr=PI,

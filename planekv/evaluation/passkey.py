@@ -139,17 +139,30 @@ def greedy_decode(model: Any, cache: PlaneKVHFCache, first: int, tok: Any, max_n
 
 def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int = 0,
                 reader: str = "reference", template: str = "chat",
-                on_context: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_context: Callable[[dict[str, Any]], None] | None = None,
+                resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """Passkey hits for each context length and its rows (``plan``: context -> rows, run in that
-    order). ``on_context`` receives the results so far after each context (partial JSON)."""
+    order). ``on_context`` receives the results so far after each context (partial JSON).
+    ``resume``: an earlier (partial) result of the same settings; its contexts whose every row
+    finished all trials are kept, not rerun (the others run from their first trial)."""
     from ..models.hf import make_cache
 
     model, tok = s.lm.model, s.lm.tokenizer
     d = s.codec.spec.head_dim
     filler = tokenize_text(tok, FILLER_TEXT)
     out_rows: dict[str, dict[str, Any]] = {}
-    details = []
+    details: list[dict[str, Any]] = []
+    done = _finished_contexts(resume, plan, trials, seed, reader, template) if resume else set()
+    for ctx in done:
+        keys = {f"{r.key}@{ctx}" for r in plan[ctx]}
+        for prev in resume["rows"]:  # type: ignore[index]
+            if f"{prev['key']}@{prev['context']}" in keys:
+                out_rows[f"{prev['key']}@{ctx}"] = {k: v for k, v in prev.items() if k not in _DERIVED}
+        details += [x for x in resume["details"] if x["context"] == ctx]  # type: ignore[index]
+        log.info("passkey %d: %d rows kept from the earlier run", ctx, len(keys))
     for ctx, rows in plan.items():
+        if ctx in done:
+            continue
         systems = [(r, build_system(r, s.codec)) for r in rows]
         for i, trial in enumerate(progress(make_trials(ctx, trials[ctx], seed, filler.numel()), total=trials[ctx],
                                            desc=f"passkey {ctx}")):
@@ -180,6 +193,20 @@ def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, in
         if on_context is not None:
             on_context(_summary(out_rows, details, seed, trials, reader, template))
     return _summary(out_rows, details, seed, trials, reader, template)
+
+
+_DERIVED = ("hit_rate", "read_fraction", "capacity_fraction", "vs_dense")  # recomputed by _summary
+
+
+def _finished_contexts(prev: dict[str, Any], plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int,
+                       reader: str, template: str) -> set[int]:
+    """Contexts of ``plan`` that ``prev`` holds complete; refuses a result of other settings."""
+    for name, want in (("seed", seed), ("reader", reader), ("template", template)):
+        if prev.get(name) != want:
+            raise ValueError(f"cannot resume passkey: the earlier run has {name}={prev.get(name)!r}, not {want!r}")
+    have = {(r["key"], r["context"]): r["trials"] for r in prev.get("rows", [])}
+    return {ctx for ctx, rows in plan.items()
+            if all(have.get((r.key, ctx)) == trials[ctx] for r in rows)}
 
 
 def _summary(out_rows: dict[str, dict[str, Any]], details: list[dict[str, Any]], seed: int, trials: dict[int, int],

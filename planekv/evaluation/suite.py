@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
 import shlex
 import sys
@@ -16,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, hardware, setup, system_rows, write_json
+from .common import ALL_SYSTEMS, RATES, VARIANTS, hardware, setup, system_rows, write_json
 from .passkey import parse_plan, run_passkey
 from .perplexity import add_setup_arguments, parse_k_share, run_perplexity
 from .report import write_report
@@ -25,10 +26,14 @@ from .texts import TEST_TEXTS
 
 log = logging.getLogger(__name__)
 
+# every row of DESIGN section 7, and PlaneKV's flexible reader with its third stage, Key refinement
+DEFAULT_SYSTEMS = (*ALL_SYSTEMS, "readkv-flexible-kr")
+LONG_SYSTEMS = ("dense", "readkv-flexible", "readkv-flexible-kr", "readkv-constrained")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_setup_arguments(p)
-    p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=ALL_SYSTEMS + VARIANTS)
     p.add_argument("--rates", nargs="+", type=float, default=list(RATES))
     p.add_argument("--window", type=int, default=2048, help="perplexity window, tokens")
     p.add_argument("--windows", type=int, default=4, help="perplexity windows per test text")
@@ -41,14 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", nargs="+", type=int, default=[8192, 4096, 2048],
                    help="passkey contexts, run in this order (the longest first)")
     p.add_argument("--trials", nargs="+", type=int, default=[50, 8, 8], help="passkey trials per context")
-    p.add_argument("--long-systems", nargs="*", default=["dense", "readkv-flexible", "readkv-constrained"],
-                   choices=ALL_SYSTEMS)
+    p.add_argument("--long-systems", nargs="*", default=list(LONG_SYSTEMS), choices=ALL_SYSTEMS + VARIANTS)
     p.add_argument("--long-rates", nargs="*", type=float, default=[2.0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reader", default="reference")
     p.add_argument("--template", default="chat", choices=["chat", "raw"], help="passkey prompt form")
     p.add_argument("--row-chunk", type=int, default=512)
     p.add_argument("--skip", nargs="*", default=[], choices=["perplexity", "passkey"], help="jobs to leave out")
+    p.add_argument("--resume", action="store_true",
+                   help="keep what an earlier run of the same settings left in --out (split search, perplexity, "
+                        "finished passkey contexts) and run the rest")
     p.add_argument("--quick", action="store_true",
                    help="reduced run: 512-token windows, 2K passkey only with 4 trials, few systems")
 
@@ -68,14 +75,22 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, out)
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
     meta = {"model_id": s.lm.model_id, "model_revision": s.lm.revision,
             "calibration_id": s.calibration.calibration_id, "format_id": s.codec.format_id,
             "hardware": hardware(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "planekv eval all " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "settings": {k: v for k, v in vars(args).items() if k != "func"}, "seconds": {}}
+            "settings": settings, "seconds": {}}
+    prev = _previous(out, meta) if args.resume else None
+    if prev is not None:  # the same run continued: keep its record, note the continuation
+        meta = {**prev, "seconds": prev.get("seconds", {}),
+                "continued": [*prev.get("continued", []), {"date": meta["date"], "hardware": meta["hardware"]}]}
     write_json(out / "run.json", meta)
     k_share = parse_k_share(args.k_share)
-    if args.split_search and not k_share:
+    if prev is not None and args.split_search and not k_share and (out / "split_search.json").is_file():
+        k_share = {float(r): v for r, v in _load(out / "split_search.json")["k_share"].items()}
+        log.info("split search kept from the earlier run: %s", k_share)
+    elif args.split_search and not k_share:
         t0 = time.perf_counter()
         sp = run_split_search(s, args.rates, args.grid, args.window, args.split_windows, row_chunk=args.row_chunk)
         sp["seconds"] = meta["seconds"]["split_search"] = time.perf_counter() - t0
@@ -83,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
         k_share = {float(r): v for r, v in sp["k_share"].items()}
         if args.freeze:
             freeze(sp, s.lm.model_id, s.calibration.calibration_id)
-    if "perplexity" not in args.skip:
+    rows = system_rows(args.systems, args.rates, k_share)
+    if prev is not None and "perplexity" not in args.skip and _has_rows(out / "perplexity.json", rows):
+        log.info("perplexity kept from the earlier run")
+    elif "perplexity" not in args.skip:
         t0 = time.perf_counter()
-        rows = system_rows(args.systems, args.rates, k_share)
         res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk)
         res["seconds"] = meta["seconds"]["perplexity"] = time.perf_counter() - t0
         write_json(out / "perplexity.json", res)
@@ -94,15 +111,42 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
         plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates, k_share)
+        earlier = _load(out / "passkey.json") if prev is not None and (out / "passkey.json").is_file() else None
         res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
-                          args.template, on_context=lambda r: (write_json(out / "passkey.json", r), write_report(out)))
-        res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0
+                          args.template, on_context=lambda r: (write_json(out / "passkey.json", r), write_report(out)),
+                          resume=earlier)
+        res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0 + meta["seconds"].get("passkey", 0.0)
         write_json(out / "passkey.json", res)
     meta["seconds"]["total"] = time.perf_counter() - t_all
     write_json(out / "run.json", meta)
     md = write_report(out)
     log.info("evaluation done in %.0f s; report at %s", meta["seconds"]["total"], md)
     return 0
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _previous(out: Path, meta: dict) -> dict | None:
+    """The earlier run's record in ``out`` when it had the same settings, model and calibration
+    (None when there is none); refuses to continue a run of other settings."""
+    path = out / "run.json"
+    if not path.is_file():
+        return None
+    prev = _load(path)
+    for key in ("model_id", "calibration_id", "format_id", "settings"):
+        if prev.get(key) != json.loads(json.dumps(meta[key])):
+            raise ValueError(f"cannot resume in {out}: the earlier run differs in {key}; use another --out")
+    return prev
+
+
+def _has_rows(path: Path, rows: Sequence) -> bool:
+    """Whether a perplexity result holds every one of ``rows``."""
+    if not path.is_file():
+        return False
+    have = {r.get("key") for r in _load(path).get("rows", [])}
+    return all(r.key in have for r in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

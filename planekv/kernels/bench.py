@@ -50,7 +50,8 @@ SHAPES = {
     "d256-b32-t32k": Shape("d256-b32-t32k", 32, 32768, 4, 1, 256),
 }
 
-SYSTEMS = ("sdpa", "fp8", "full4", "readkv-flex-r4", "readkv-flex-r2", "readkv-cons-r4", "readkv-cons-r2")
+SYSTEMS = ("sdpa", "fp8", "full4", "readkv-flex-r4", "readkv-flex-r2", "readkv-flex-kr-r4", "readkv-flex-kr-r2",
+           "readkv-cons-r4", "readkv-cons-r2")
 
 
 @dataclass
@@ -70,14 +71,17 @@ class Row:
 def _policy(system: str, k_share: float | None) -> ReadPolicy | None:
     """The policy of a ReadKV system; the flexible reader's K share is ``k_share``, or when None the
     share frozen by the split search for that rate (the configuration the kernels run by default)."""
-    from ..evaluation.common import default_k_share
+    from ..evaluation.common import VARIANT_OPTIONS, default_k_share
 
     def ks(rate: float) -> float:
         return default_k_share(rate) if k_share is None else k_share
 
+    kr = VARIANT_OPTIONS["readkv-flexible-kr"]  # the third read stage, Key refinement (EVALUATION.md)
     return {
         "readkv-flex-r4": ReadPolicy.flexible(4.0, ks(4.0)),
         "readkv-flex-r2": ReadPolicy.flexible(2.0, ks(2.0)),
+        "readkv-flex-kr-r4": ReadPolicy.flexible(4.0, ks(4.0), **kr),
+        "readkv-flex-kr-r2": ReadPolicy.flexible(2.0, ks(2.0), **kr),
         "readkv-cons-r4": ReadPolicy.constrained(4.0),
         "readkv-cons-r2": ReadPolicy.constrained(2.0),
     }.get(system)
@@ -230,7 +234,28 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
         else:
             ws += logits
     out = 4.0 * b * hq * d * 2 + 4.0 * b * hq * plan.n_blocks * d * 2
+    if reader.refine:
+        data += _refine_sector_bytes(reader.refined(plan).to(kdep.device), kdep, lengths, spec)
+        n_ref = float(plan.rcnt.sum())
+        # logits read by the keys pass and the stats pass; keys written, read by passes 2..NPASS, the
+        # ties and the order; chosen positions written and read; chosen logits rewritten (a 32-byte
+        # sector per query head)
+        ws += logits * 2 + 4.0 * hk * n * (1 + NPASS.value - 1 + 2) + 2.0 * 2 * n_ref + 32.0 * (hq // hk) * n_ref
     return data + ws + out
+
+
+def _refine_sector_bytes(refined: torch.Tensor, kdep: torch.Tensor, lengths: torch.Tensor, spec: FormatSpec) -> float:
+    """K sectors the refinement touches: per page holding a refined token, per plane j, every 32-byte
+    sector (32*8/page channels) holding a channel of depth <= j (the planes the channel stage left)."""
+    p, w = spec.page_size, spec.width
+    row = p // 8
+    per_sector = max(1, 32 // row)
+    b, hk, d = kdep.shape
+    tmax = refined.shape[2]
+    pad = torch.nn.functional.pad(refined, (0, -tmax % p))
+    pages = pad.view(b, hk, -1, p).any(-1).sum(-1).double()  # [B, Hkv]
+    left = (w - kdep.long().reshape(b, hk, d // per_sector, per_sector).amin(-1)).sum(-1).double()  # [B, Hkv]
+    return float((pages * left).sum()) * max(32, row)
 
 
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
@@ -350,7 +375,7 @@ def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int 
     """Triton reader vs the reference reader (torch, same device) on the first sequences."""
     out = reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0).clone()
     _sync(out.device)
-    errs, kmis, vmis = [], 0, 0
+    errs, kmis, vmis, rmis = [], 0, 0, 0
     pol = reader.policy
     for bi in range(min(n_seq, s.q.shape[0])):
         t = int(s.lengths[bi])
@@ -367,8 +392,14 @@ def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int 
             ref = ref[:, 0]
             kmis += int((st.k_depths[0].to(plan.kdep.device) != plan.kdep[bi]).sum())
             vmis += int((st.v_depths[0].to(plan.vdep.device) != plan.vdep[bi, :, :t].long()).sum())
+            if reader.refine:
+                rmis += int((st.extra["k_refined"][:, 0, :t] != reader.refined(plan)[bi, :, :t]).sum())
         errs.append(float((out[bi] - ref).norm() / ref.norm()))
-    return {"rel_err": max(errs), "k_depth_mismatch": kmis, "v_depth_mismatch": vmis, "checked_seqs": len(errs)}
+    res = {"rel_err": max(errs), "k_depth_mismatch": kmis, "v_depth_mismatch": vmis, "checked_seqs": len(errs)}
+    if reader.refine:
+        res["refined_mismatch"] = rmis
+        res["refined_fraction"] = float(reader.refined(plan).sum()) / float(s.lengths.sum() * plan.rcnt.shape[1])
+    return res
 
 
 def rows_to_json(rows: list[Row], path: str, meta: dict[str, Any]) -> None:

@@ -150,9 +150,10 @@ def _split16(x):
 
 @triton.jit
 def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr, count_k,
-          HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-          KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr):
-    """One program per allocation group: HG KV heads of one sequence, N = HG * D channels."""
+          rhist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+          KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr, RHW: tl.constexpr):
+    """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
+    refinement (RHW > 0 words of refinement histograms per group) those start at zero too."""
     pid = tl.program_id(0)
     n_groups_b: tl.constexpr = HKV // HG
     b = pid // n_groups_b
@@ -208,6 +209,9 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
     # this group's radix histograms start at zero every step
     zi = tl.arange(0, NBINS * NPASS)
     tl.store(hist_ptr + pid * HSTRIDE + zi, tl.zeros([NBINS * NPASS], tl.int32))
+    if RHW > 0:
+        zr = tl.arange(0, RHW)
+        tl.store(rhist_ptr + pid * RHW + zr, tl.zeros([RHW], tl.int32))
 
 
 # ----------------------------------------------------------------------------- Key stage

@@ -8,6 +8,7 @@ be captured in a CUDA graph (decode appends only change device data).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,17 @@ from .decode import (
     _value_stage_f,
     _value_ties,
     next_pow2,
+)
+from .refine import (
+    HIST_STRIDE_R,
+    RSEL_STRIDE,
+    _key_refine_f,
+    _key_restat,
+    _refine_order,
+    _refine_radix,
+    _refine_score,
+    _refine_select,
+    _refine_ties,
 )
 
 
@@ -113,12 +125,21 @@ class Plan:
     part: torch.Tensor  # [B, Hq, NBLK, d] f32: per-block weighted sums
     out_t: torch.Tensor  # [B, Hq, d] f32: output in the V-transformed domain
     out: torch.Tensor  # [B, Hq, d] f32
+    # Key refinement (one-element placeholders without it); its keys live in vimp, which the Value
+    # allocation writes only after the refinement is done
+    rhist: torch.Tensor  # [groups, HG_PAD * NPASS * NBINS] i32: per-head radix histograms
+    rsel: torch.Tensor  # [groups, RSEL_STRIDE] i64: prefix and bits left after each pass
+    rtie: torch.Tensor  # [groups, HG * NBLK] i32: keys at lambda per block
+    rcnt: torch.Tensor  # [B, Hkv, NBLK] i32: chosen tokens per block
+    rord: torch.Tensor  # [B, Hkv, T] i16: per block, the chosen tokens' positions in it (the first rcnt)
+    rcost: torch.Tensor  # [B * Hkv] i32: bits to refine one token of the head
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
         bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits,
                 self.mstat, self.sstat,
-                self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t)
+                self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
+                self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost)
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
@@ -126,7 +147,8 @@ class TritonReader:
     """Two-stage ReadKV decode on the GPU (or Triton's interpreter on CPU tensors).
 
     Both readers: the flexible one (pooled budgets, depth 0, tuned split; the default) and the
-    constrained one (per-head budgets, minimum depth 1, Value packets).
+    constrained one (per-head budgets, minimum depth 1, Value packets); either with the third stage,
+    Key refinement (``ReadPolicy.key_refine`` at token granularity, FMA stages only).
     """
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
@@ -154,9 +176,19 @@ class TritonReader:
             raise ValueError("page size must be a multiple of 32")
         self.num_warps = num_warps
         pol = self.policy
+        ref_only = pol.reference_only_options()
+        if ref_only:
+            raise ValueError(f"the Triton reader does not implement {ref_only} (reference reader only)")
+        self.refine = pol.key_refine > 0
+        if self.refine and assembly != "fma":
+            raise ValueError("Key refinement runs on the FMA stages only (assembly='fma', <= 8 query heads "
+                             f"per KV head), got assembly={assembly!r}")
         d, w = spec.head_dim, spec.width
         self.hg = spec.n_kv_heads if pol.pool_heads else 1
         self.bk = pol.key_budget(d)
+        # the channel stage's share of B_K (all of it without refinement), as the reference computes it
+        self.bk_stage = max(math.floor(self.bk * (1.0 - pol.key_refine)), pol.min_depth_k * d) if self.refine \
+            else self.bk
         # Value stage over the tokens of depth > 0 only, sorted by depth (never for the Full Reader,
         # whose tokens all have one depth). None = measured choice (runs 18-19, docs/KERNEL_NOTES.md):
         # gathering pays where most tokens are not read (mean Value depth <= 1 plane, no minimum
@@ -171,7 +203,7 @@ class TritonReader:
             raise ValueError(f"Key budget {self.bk} below the minimum depth {pol.min_depth_k} x {d}")
         n_items = self.hg * d
         ks_k = w - pol.min_depth_k
-        self.count_k = max(0, min(self.bk * self.hg - pol.min_depth_k * n_items, ks_k * n_items))
+        self.count_k = max(0, min(self.bk_stage * self.hg - pol.min_depth_k * n_items, ks_k * n_items))
         dist = codec.tree.distortion
         rk = step_gains(dist, w, pol.min_depth_k, 1)
         rv = step_gains(dist, w, pol.min_depth_v, pol.v_packet)
@@ -187,6 +219,8 @@ class TritonReader:
             "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
             "tab2": packed_table(codec), "tabr": reversed_table(codec), "spread": spread_table(),
             "tabf": reversed_table_f32(codec),
+            "tabw": codec.tree.table().float()[codec.width].contiguous(),  # depth W, stored code order
+            "dist": torch.tensor(codec.tree.distortion, dtype=torch.float32),
             "rk": self._rk, "rv": self._rv,
             "hw": (c.sigma_v * c.sigma_v).sum(-1).contiguous(),  # [L, Hkv] for value_head_weight
         }
@@ -224,7 +258,9 @@ class TritonReader:
         groups = batch * hk // self.hg
         f32 = dict(dtype=torch.float32, device=dev)
         f16 = dict(dtype=torch.float16, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
         self._on(dev)
+        r = self.refine
         return Plan(
             batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
             qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
@@ -243,7 +279,18 @@ class TritonReader:
             ties=torch.zeros(groups, self.hg * n_blocks, self.kspad_v, dtype=torch.int32, device=dev),
             part=torch.empty(batch, hq, n_blocks, d, **f32), out_t=torch.empty(batch, hq, d, **f32),
             out=torch.empty(batch, hq, d, **f32),
+            rhist=torch.zeros(groups if r else 1, self._rhw if r else 1, **i32),
+            rsel=torch.zeros(groups if r else 1, RSEL_STRIDE, dtype=torch.int64, device=dev),
+            rtie=torch.zeros(groups if r else 1, self.hg * n_blocks if r else 1, **i32),
+            rcnt=torch.zeros(batch if r else 1, hk if r else 1, n_blocks if r else 1, **i32),
+            rord=torch.zeros(batch if r else 1, hk if r else 1, max_tokens if r else 1, dtype=torch.int16, device=dev),
+            rcost=torch.zeros(batch * hk if r else 1, **i32),
         )
+
+    @property
+    def _rhw(self) -> int:
+        """int32 words of refinement histograms per group: one NPASS x NBINS set per KV head."""
+        return next_pow2(self.hg) * HIST_STRIDE_R
 
     def _transposing(self, page_size: int) -> bool:
         """The transposing Key stage needs a tile of M = PPK * P / 8 rows, a power of two >= 16
@@ -302,9 +349,9 @@ class TritonReader:
         torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
         mark("q_transform")
         _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.kord,
-                         plan.kcnt, plan.hist, self.count_k, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d, KS=self.ks_k,
-                         KS_PAD=self.kspad_k,
-                         MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg), num_warps=4)
+                         plan.kcnt, plan.hist, self.count_k, plan.rhist, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d,
+                         KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
+                         RHW=self._rhw if self.refine else 0, num_warps=4)
         mark("prep")
         if self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.qt, sig_k, plan.base,
@@ -321,6 +368,8 @@ class TritonReader:
                                       PPK=self._ppk, num_warps=nw)
         mark("key_stage")
         grid = (b * hk, nblk)
+        if self.refine:
+            self._refine(plan, k_pool, page_table, lengths, sig_k, scale, slots, g, g2, nsk_pad, groups, mark)
         if not self.fixed_depth:
             _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
                               c["hw"][layer], tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad,
@@ -370,6 +419,44 @@ class TritonReader:
         mark("combine_inverse")
         return plan.out
 
+    def _refine(self, plan: Plan, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                sig_k: torch.Tensor, scale: float, slots: int, g: int, g2: int, nsk_pad: int, groups: int,
+                mark: Callable[[str], None]) -> None:
+        """The Key-refinement launches (planekv.kernels.refine): keys and radix pass 1, passes 2..8
+        with a selection after each, ties, the chosen tokens, their Keys at depth W, the split stats."""
+        spec = self.codec.spec
+        c = self._consts[plan.device]
+        hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
+        b, tmax, nblk = plan.batch, plan.max_tokens, plan.n_blocks
+        grid = (b * hk, nblk)
+        hgp = next_pow2(self.hg)
+        nw = self.num_warps
+        rkey = plan.vimp.view(torch.int32)  # free until the Value allocation writes importances
+        rord = plan.rord
+        bkr = self.bk - self.bk_stage
+        _refine_score[grid](plan.logits, plan.mstat, plan.sstat, lengths, plan.qt, sig_k, plan.kdep, c["dist"], rkey,
+                            plan.rcost, plan.rhist, scale, tmax, plan.n_splits, HQ=hq, HKV=hk, HG=self.hg, HG_PAD=hgp,
+                            G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, BLK=self._blk, num_warps=nw)
+        mark("refine_keys")
+        sel = dict(HKV=hk, HG=self.hg, HG_PAD=hgp, num_warps=1)
+        _refine_select[(groups,)](plan.rhist, plan.rsel, plan.rcost, lengths, bkr, PASS=1, **sel)
+        for pas in range(2, NPASS.value + 1):
+            _refine_radix[grid](rkey, lengths, plan.rsel, plan.rhist, tmax, PASS=pas, HKV=hk, HG=self.hg, HG_PAD=hgp,
+                                BLK=self._blk, num_warps=nw)
+            _refine_select[(groups,)](plan.rhist, plan.rsel, plan.rcost, lengths, bkr, PASS=pas, **sel)
+        mark("refine_radix")
+        _refine_ties[grid](rkey, lengths, plan.rsel, plan.rtie, tmax, HKV=hk, HG=self.hg, BLK=self._blk, num_warps=nw)
+        _refine_order[grid](rkey, lengths, plan.rsel, plan.rtie, plan.rcost, rord, plan.rcnt, tmax, HKV=hk,
+                            HG=self.hg, HG_PAD=hgp, BLK=self._blk, NT_PAD=next_pow2(self.hg * nblk), num_warps=nw)
+        mark("refine_order")
+        _key_refine_f[grid](k_pool, page_table, lengths, rord, plan.rcnt, plan.qt, sig_k, plan.base, c["tabw"],
+                            plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=self._blk,
+                            TS=max(1, 1024 // d), num_warps=nw)
+        mark("refine_decode")
+        _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
+                                             G2=g2, NTOK=self._ppk * p, num_warps=nw)
+        mark("refine_stats")
+
     # ---- convenience ----
 
     def decode(self, q: torch.Tensor, cache: PlaneKVCache, layer: int, scale: float | None = None,
@@ -405,6 +492,10 @@ class TritonReader:
         vmask = tok[None, None, :] < lengths[:, None, None]
         vdep = vdep * vmask
         k_bits = (lengths * kdep.sum((1, 2))).double()
+        refined = self.refined(plan) if self.refine else None
+        if refined is not None:  # chosen tokens x the bits to refine one token of their head
+            n_ref = refined.sum(2).to(torch.int64)  # [B, Hkv]
+            k_bits = k_bits + (n_ref * plan.rcost.cpu().to(torch.int64).view(plan.batch, -1)).sum(1).double()
         v_bits = (spec.head_dim * vdep.sum((1, 2))).double()
         return ReadStats(
             k_bits=k_bits, v_bits=v_bits, tokens=lengths.double(), n_kv_heads=spec.n_kv_heads,
@@ -412,7 +503,22 @@ class TritonReader:
             workspace_bytes=two_stage_workspace_bytes(spec.n_q_heads, spec.n_kv_heads, int(lengths.max()),
                                                       spec.head_dim, plan.batch),
             k_depths=kdep, v_depths=vdep,
+            extra={} if refined is None else {"k_refined": refined},
         )
+
+    def refined(self, plan: Plan) -> torch.Tensor:
+        """The tokens whose Keys the last run's refinement read at depth W: [B, Hkv, T] bool (CPU)."""
+        if not self.refine:
+            raise ValueError("this reader's policy has no Key refinement")
+        b, hk, tmax = plan.rord.shape
+        blk = self._blk
+        nblk = plan.n_blocks
+        lp = torch.nn.functional.pad(plan.rord.cpu().to(torch.int64), (0, nblk * blk - tmax)).view(b, hk, nblk, blk)
+        take = torch.arange(blk)[None, None, None, :] < plan.rcnt.cpu().to(torch.int64)[..., None]
+        pos = torch.where(take, lp + (torch.arange(nblk) * blk)[None, None, :, None], nblk * blk)
+        out = torch.zeros(b, hk, nblk * blk + 1, dtype=torch.bool)
+        out.scatter_(2, pos.view(b, hk, -1), True)
+        return out[:, :, :tmax]
 
 
 _READERS: dict[tuple[str, ReadPolicy], TritonReader] = {}

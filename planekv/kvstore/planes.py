@@ -237,12 +237,20 @@ class PlaneKVCache:
         bits = bits * keep[..., None].to(torch.uint8)
         return _planes_to_codes(bits.permute(2, 0, 1, 3), spec.width)
 
-    def physical_read_bytes(self, layer: int, b: int, k_depth: torch.Tensor, v_depth: torch.Tensor) -> int:
+    def physical_read_bytes(self, layer: int, b: int, k_depth: torch.Tensor, v_depth: torch.Tensor,
+                            k_refined: torch.Tensor | None = None) -> int:
         """Bytes a read at these depths touches, counted from the layout: every (plane, channel)
-        row of every K page (P/8 bytes) and every (plane, token) row of V (d/8 bytes)."""
+        row of every K page (P/8 bytes) and every (plane, token) row of V (d/8 bytes). With Key
+        refinement (``k_refined`` [Hkv, T] bool: tokens read at depth W), every page holding a refined
+        token adds the rows of the planes below W that the channel depths left unread."""
         _, t = self._pages(layer, b)
-        n_slots = -(-t // self.spec.page_size)
-        k = int(k_depth.sum()) * n_slots * (self.spec.page_size // 8)
+        p = self.spec.page_size
+        n_slots = -(-t // p)
+        k = int(k_depth.sum()) * n_slots * (p // 8)
+        if k_refined is not None:
+            pad = torch.nn.functional.pad(k_refined[:, :t].bool(), (0, n_slots * p - t))
+            pages = pad.view(pad.shape[0], n_slots, p).any(-1).sum(-1)  # [Hkv]
+            k += int((pages * (self.spec.width - k_depth.cpu().long()).sum(-1)).sum()) * (p // 8)
         v = int(v_depth.sum()) * (self.spec.head_dim // 8)
         return k + v
 

@@ -57,7 +57,8 @@ class ReadPolicy:
     # option such a row reads no Key planes beyond the minimum depth and spends the rest of its
     # 2 d R bits on the Value (rate policies only; budgets(1, d) changes, no other T does).
     single_token_values: bool = False
-    # Named extension beyond the paper's two stages (default 0; reference reader only): a third read
+    # Named extension beyond the paper's two stages (default 0; the reference reader, and the Triton
+    # reader's FMA stages at token granularity, key_refine_block = 1): a third read
     # stage, Key refinement. The channel stage spends (1 - key_refine) of B_K; the rest (in bits,
     # key_refine * B_K * T per KV head) reads the remaining planes (depth W in every channel) of the
     # tokens with the largest stage-1 importance sum_h p_{h,i}^2 per bit, in blocks of
@@ -144,7 +145,8 @@ class ReadPolicy:
         do not; a caller that dispatches to them refuses such a policy)."""
         out = ["key_variance_correction"] if self.key_variance_correction else []
         out += ["sink_keys"] if self.sink_keys else []
-        out += ["key_refine"] if self.key_refine else []
+        # Key refinement at token granularity is in the kernels (FMA stages); in blocks it is not
+        out += ["key_refine_block"] if self.key_refine and self.key_refine_block > 1 else []
         return out + (["single_token_values"] if self.single_token_values else [])
 
     def to_dict(self) -> dict[str, Any]:

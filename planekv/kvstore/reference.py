@@ -180,9 +180,10 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         spent_v = torch.ceil(extra / d).to(torch.int64)  # in Value planes (d bits each)
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
     refine_bits = torch.zeros(m, dtype=torch.float64)
+    refined = None
     if policy.key_refine:
         full = k_codes if isinstance(k_src, torch.Tensor) else _codes_for(k_src, torch.full_like(t_dep, policy.width))
-        logits, refine_bits = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep,
+        logits, refine_bits, refined = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep,
                                           (bk - bk_stage) * n_tok, mask, scale, policy, dist)
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
@@ -219,16 +220,18 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         k_depths=t_dep.cpu(),
         v_depths=s_dep.cpu(),
     )
+    if refined is not None:
+        stats.extra["k_refined"] = refined.cpu()  # [Hkv, M, T] bool: tokens whose Keys were read at depth W
     return out, stats
 
 
 def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: torch.Tensor,
                 table: torch.Tensor, codes: torch.Tensor, t_dep: torch.Tensor, budget: torch.Tensor,
                 mask: torch.Tensor, scale: float, policy: ReadPolicy,
-                distortion: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                distortion: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key refinement (``ReadPolicy.key_refine``): logits [Hkv, G, M, T] (unscaled, from the channel
     depths t_dep [M, Hkv, d]) -> logits with the chosen blocks' tokens read at depth W in every
-    channel, and the bits that cost per row [M].
+    channel, the bits that cost per row [M], and the chosen tokens [Hkv, M, T] (bool).
 
     A token's logit error has variance ``scale^2 sum_c (q~ sigma)_c^2 D(t_c)`` (D: the tree's
     distortion per depth), the same for every token of a head; its effect on the output grows with
@@ -256,7 +259,7 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
     else:
         score_r, cost_r = score.reshape(hk * m, nb), cost.reshape(hk * m, nb)
         bud = budget.to(dev).double()[None, :].expand(hk, m).reshape(hk * m)
-    order = torch.argsort(score_r, dim=1, descending=True)
+    order = torch.argsort(score_r, dim=1, descending=True, stable=True)  # ties: (head, position)
     c_sorted = torch.gather(cost_r, 1, order)
     take_sorted = (c_sorted.cumsum(1) <= bud[:, None]) & (torch.gather(score_r, 1, order) >= 0)
     take = torch.zeros_like(take_sorted).scatter(1, order, take_sorted)
@@ -269,9 +272,9 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
         bits = spent.view(hk, m, nb).sum((0, 2))
     sel_t = sel.repeat_interleave(blk, dim=2)[..., :t_max] & mask[None]  # [Hkv, M, T]
     if not bool(sel_t.any()):
-        return logits, bits.cpu()
+        return logits, bits.cpu(), sel_t
     full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ table[w][codes].transpose(1, 2)[:, None]
-    return torch.where(sel_t[:, None], full, logits), bits.cpu()
+    return torch.where(sel_t[:, None], full, logits), bits.cpu(), sel_t
 
 
 def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
@@ -291,12 +294,15 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
             q[b][:, None, :], lambda dep, b=b: cache.read_k(layer, b, dep),
             lambda dep, b=b: cache.read_v(layer, b, dep), codec, layer, policy,
             torch.tensor([t]), scale=scale)
-        st.physical_bytes = cache.physical_read_bytes(layer, b, st.k_depths[0], st.v_depths[0])
+        refined = st.extra["k_refined"][:, 0] if "k_refined" in st.extra else None  # [Hkv, T]
+        st.physical_bytes = cache.physical_read_bytes(layer, b, st.k_depths[0], st.v_depths[0], refined)
         outs.append(out[:, 0])
         parts.append(st)
     stats = ReadStats.concat(parts)
     stats.k_depths = torch.cat([p.k_depths for p in parts])  # type: ignore[misc]
     stats.extra["v_depths"] = [p.v_depths[0] for p in parts]  # type: ignore[index]
+    if policy.key_refine:
+        stats.extra["k_refined"] = [p.extra["k_refined"][:, 0] for p in parts]  # per sequence [Hkv, T]
     return torch.stack(outs), stats
 
 

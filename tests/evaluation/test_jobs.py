@@ -119,3 +119,39 @@ def test_suite_end_to_end(tiny_model_dir, tmp_path):
     chosen = json.loads((tmp_path / "split_search.json").read_text())["k_share"]
     flex = [r for r in ppl["rows"] if r["name"] == "readkv-flexible"]
     assert {r["rate"]: r["k_share"] for r in flex} == {4.0: chosen["4"], 2.0: chosen["2"]}
+
+
+def test_suite_resume_keeps_finished_work(tiny_model_dir, tmp_path, monkeypatch):
+    """An interrupted suite continues with --resume: the split search and perplexity results of the
+    earlier run are kept (not recomputed), finished passkey contexts too, and only the missing
+    context runs; a different command refuses to resume into the same directory."""
+    args = ["--model", str(tiny_model_dir), "--out", str(tmp_path), *TINY, "--window", "64", "--windows", "1",
+            "--split-windows", "1", "--grid", "0.5", "0.625", "--contexts", "300", "200", "--trials", "1",
+            "--systems", "dense", "readkv-flexible", "--rates", "2", "--long-systems"]
+    assert suite.main(args) == 0
+    ppl = (tmp_path / "perplexity.json").read_text()
+    full = json.loads((tmp_path / "passkey.json").read_text())
+    # as if the run had stopped during the second context: its rows and trials are not in the file
+    cut = {**full, "rows": [r for r in full["rows"] if r["context"] == 300],
+           "details": [x for x in full["details"] if x["context"] == 300]}
+    (tmp_path / "passkey.json").write_text(json.dumps(cut))
+
+    def fail(*a, **k):
+        raise AssertionError("finished work was recomputed")
+
+    monkeypatch.setattr(suite, "run_perplexity", fail)
+    monkeypatch.setattr(suite, "run_split_search", fail)
+    ran: list[int] = []
+    real = passkey.greedy_decode
+    monkeypatch.setattr(passkey, "greedy_decode", lambda model, cache, first, tok: ran.append(1) or
+                        real(model, cache, first, tok))
+    assert suite.main([*args, "--resume"]) == 0
+    assert (tmp_path / "perplexity.json").read_text() == ppl
+    again = json.loads((tmp_path / "passkey.json").read_text())
+    key = lambda r: (r["key"], r["context"])  # noqa: E731
+    assert sorted(map(key, again["rows"])) == sorted(map(key, full["rows"]))
+    assert [r for r in again["rows"] if r["context"] == 300] == [r for r in full["rows"] if r["context"] == 300]
+    assert len(ran) == 2  # one trial of the 200-token context for each of the two systems
+    assert len(json.loads((tmp_path / "run.json").read_text())["continued"]) == 1
+    with pytest.raises(ValueError, match="differs in settings"):
+        suite.main([*args, "--rates", "4", "--resume"])

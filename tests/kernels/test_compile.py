@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_key_stage_f", "_value_order", "_value_stage_f", "_radix_select",
            "_value_hist", "_value_radix", "_value_ties", "_value_stage", "_value_stage_c", "_combine", "_encode_append",
-           "_fp8_stage1"}
+           "_fp8_stage1", "_refine_score", "_refine_select", "_refine_radix", "_refine_ties", "_refine_order",
+           "_key_refine_f", "_key_restat"}
 
 
 def test_all_kernels_compile_for_sm90(tmp_path):
@@ -35,6 +36,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     # 3 variants x (prep, value stage) + 2 x 3 key stages + 2 compacting value stages
     # + FMA value stages (2 x 2 + 1) + 2 value orders + 2 radix selects
     # + 2 x (hist, NPASS-1 radix passes, ties) + 3 others
-    assert len(recs) == 3 * 2 + 6 + 2 + 5 + 2 + 2 + 2 * (1 + (NPASS.value - 1) + 1) + 3
+    # + Key refinement, 2 x (score, 2 selects, NPASS-1 radix passes, ties, order, decode, stats)
+    assert len(recs) == 3 * 2 + 6 + 2 + 5 + 2 + 2 + 2 * (1 + (NPASS.value - 1) + 1) + 3 + 2 * (7 + NPASS.value - 1)
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

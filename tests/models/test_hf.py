@@ -131,11 +131,11 @@ def test_reader_table():
 
 def test_reference_only_options_refuse_other_readers(llama):
     """The kernels do not implement key_variance_correction, sink_keys, single_token_values or
-    key_refine: a cache that would send such a policy to them refuses it instead of silently reading
-    without the option."""
+    key_refine in blocks: a cache that would send such a policy to them refuses it instead of
+    silently reading without the option."""
     model, codec = llama
     for kw in ({"key_variance_correction": True}, {"sink_keys": 1}, {"single_token_values": True},
-               {"key_refine": 0.3}):
+               {"key_refine": 0.3, "key_refine_block": 16}):
         pol = ReadPolicy.flexible(2.0, **kw)
         with pytest.raises(ValueError, match="reference reader only"):
             hf.make_cache(model, ReadKV(codec, pol), reader="triton")
@@ -143,18 +143,23 @@ def test_reference_only_options_refuse_other_readers(llama):
     assert ReadPolicy.flexible(2.0).reference_only_options() == []
 
 
-def test_triton_reader_decodes_like_the_reference(gemma):
+@pytest.mark.parametrize("pol", [ReadPolicy.flexible(3.0), ReadPolicy.flexible(3.0, key_refine=0.3)],
+                         ids=["two-stage", "key-refine"])
+def test_triton_reader_decodes_like_the_reference(gemma, pol):
     """reader="triton" (the kernels, through Triton's interpreter without a GPU) gives the decode
-    logits of the reference reader; Gemma3's full-attention layer goes through it (head_dim 32)."""
+    logits of the reference reader, with and without the Key-refinement stage; Gemma3's
+    full-attention layer goes through it (head_dim 32)."""
     model, codec = gemma
     ids = _prompt(40)
-    pol = ReadPolicy.flexible(3.0)
     ref = _decode_logits(model, hf.make_cache(model, ReadKV(codec, pol)), ids, 3)
     tri_cache = hf.make_cache(model, ReadKV(codec, pol), reader="triton")
     tri = _decode_logits(model, tri_cache, ids, 3)
     for r, t in zip(ref, tri, strict=True):
         assert float((t - r).norm() / r.norm()) < 1e-4
-    assert tri_cache.tally.bits_per_scalar == pytest.approx(3.0, abs=0.05)
+    if pol.key_refine:  # refinement buys whole tokens, so a short row leaves part of its budget unspent
+        assert 2.8 <= tri_cache.tally.bits_per_scalar <= 3.0
+    else:
+        assert tri_cache.tally.bits_per_scalar == pytest.approx(3.0, abs=0.05)
     from planekv.kernels.reader import _READERS
 
     assert any(r.policy == pol for r in _READERS.values())  # the kernels really ran

@@ -1,0 +1,255 @@
+"""Triton kernels of the Key-refinement stage (``ReadPolicy.key_refine``, token granularity).
+
+The reference is ``planekv.kvstore.reference._key_refine``. After the Key stage has written logits
+from the channel depths (which spent ``(1 - key_refine)`` of B_K), the step continues:
+
+  _refine_score   grid (B*Hkv, NBLK)   per token: p from the stage-1 logits, the benefit
+                                       ``sum_g p_g^2 var_g`` per bit (``var_g = scale^2 sum_c
+                                       (q~ sigma)_c^2 D(t_c)``, cost ``sum_c (W - t_c)`` bits per
+                                       token of the head) as a float32 key; radix pass 1
+  _refine_select  grid (groups,)       after each pass: the digit at which the cost-weighted
+                                       count crosses the budget (per-head histograms, each head's
+                                       cost uniform)
+  _refine_radix   (passes 2..8)        histograms of the next digit among matching keys
+  _refine_ties    grid (B*Hkv, NBLK)   keys equal to lambda per block
+  _refine_order   grid (B*Hkv, NBLK)   the chosen tokens: key > lambda, then ties in (head,
+                                       position) order while the budget lasts; compacted per block
+  _key_refine_f   grid (B*Hkv, NBLK)   the chosen tokens' Keys at depth W in every channel (one
+                                       (token, channel) per thread, bits picked out of the plane
+                                       bytes) -> their logits rewritten
+  _key_restat     grid (B*Hkv, NSK)    softmax statistics of every Key split recomputed
+
+Selection is greedy by benefit per bit in descending order, stopping at the first token that does
+not fit (the reference's prefix of its sorted order, ties in (head, position) order).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode import NBINS, NPASS, RBITS, _group_of, _load_scalar, _probs, _softmax_stats
+
+# int64 words per group in the selection buffer: per pass, the prefix chosen so far and the bits
+# still to spend among the keys matching it
+RSEL = tl.constexpr(2 * 8)
+RSEL_STRIDE = 2 * 8
+# int32 words of radix histograms per KV head (NPASS x NBINS)
+HIST_STRIDE_R = 8 * 16
+
+
+@triton.jit
+def _refine_score(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, qt_ptr, sig_ptr, kdep_ptr, dist_ptr, rkey_ptr,
+                  rcost_ptr, rhist_ptr, scale, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr,
+                  HG_PAD: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr,
+                  W: tl.constexpr, BLK: tl.constexpr):
+    """Program (b*Hkv + h, block): refinement keys of BLK tokens (-1: not a candidate) and radix
+    pass 1 into this head's histogram; block 0 stores the head's cost per token."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    cc = tl.arange(0, D)
+    tdep = tl.load(kdep_ptr + pid_bh * D + cc)
+    cost = tl.sum(W - tdep, 0)
+    if blk == 0:
+        tl.store(rcost_ptr + pid_bh + tl.arange(0, 1), cost + tl.zeros([1], tl.int32))
+    if blk * BLK < T:
+        gg = tl.arange(0, G2)
+        qt = tl.load(qt_ptr + (b * HQ + h * G + gg[:, None]) * D + cc[None, :], mask=gg[:, None] < G, other=0.0)
+        qs = qt * tl.load(sig_ptr + h * D + cc)[None, :]
+        dist = tl.load(dist_ptr + tdep)
+        var = tl.sum(qs * qs * dist[None, :], 1) * scale * scale  # [G2]: the logit error's variance
+        mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
+        pos = blk * BLK + tl.arange(0, BLK)
+        p = _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G2)
+        imp = tl.sum(p * p * var[:, None], 0)  # [BLK]
+        ok = (pos < T) & (cost > 0)
+        key = tl.where(ok, (imp / cost.to(tl.float32)).to(tl.int32, bitcast=True), -1)
+        tl.store(rkey_ptr + pid_bh * TMAX + pos, key, mask=pos < T)
+        SH1: tl.constexpr = 31 - RBITS
+        hist = tl.histogram(tl.where(ok, key >> SH1, 0), NBINS, mask=ok)
+        bins = tl.arange(0, NBINS)
+        tl.atomic_add(rhist_ptr + (grp * HG_PAD + hl) * (NPASS * NBINS) + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def _refine_budget(len_ptr, b, BKR, HG: tl.constexpr):
+    """Refinement bits of a group: (B_K - B_K,stage) x T per KV head, times HG when pooled."""
+    return _load_scalar(len_ptr + b).to(tl.int64) * BKR * HG
+
+
+@triton.jit
+def _group_costs(rcost_ptr, b, grp, HKV: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr):
+    hh = tl.arange(0, HG_PAD)
+    h0 = (grp % (HKV // HG)) * HG
+    return tl.load(rcost_ptr + b * HKV + h0 + hh, mask=hh < HG, other=0).to(tl.int64)
+
+
+@triton.jit
+def _refine_select(rhist_ptr, rsel_ptr, rcost_ptr, len_ptr, BKR, PASS: tl.constexpr, HKV: tl.constexpr,
+                   HG: tl.constexpr, HG_PAD: tl.constexpr):
+    """One program per group after radix pass PASS: the largest digit whose keys (with the prefix so
+    far) cost more than the bits left, weighting each head's histogram by its cost per token.
+    Prefix -1 means every candidate fits (pass 1 found the total within the budget)."""
+    grp = tl.program_id(0)
+    b = grp // (HKV // HG)
+    cost = _group_costs(rcost_ptr, b, grp, HKV, HG, HG_PAD)
+    sbase = rsel_ptr + grp * RSEL
+    if PASS == 1:
+        pref = tl.zeros([], tl.int64)
+        rem = _refine_budget(len_ptr, b, BKR, HG)
+    else:
+        pref = _load_scalar(sbase + 2 * (PASS - 2))
+        rem = _load_scalar(sbase + 2 * (PASS - 2) + 1)
+    hh = tl.arange(0, HG_PAD)
+    idx = tl.arange(0, NBINS)
+    hist = tl.load(rhist_ptr + ((grp * HG_PAD + hh[:, None]) * NPASS + PASS - 1) * NBINS + idx[None, :])
+    wsum = tl.sum(hist.to(tl.int64) * cost[:, None], 0)  # [NBINS] bits
+    ge = tl.sum(wsum, 0) - tl.cumsum(wsum, 0) + wsum  # bits of keys with digit >= idx
+    dsel = tl.max(tl.where(ge > rem, idx, -1), 0)
+    above = tl.sum(tl.where(idx > dsel, wsum, 0), 0)
+    WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
+    new = tl.where(pref < 0, pref, tl.where(dsel < 0, -1, (pref << WIDTH) | dsel.to(tl.int64)))
+    rem = tl.where(new < 0, rem, rem - above)
+    tl.store(sbase + 2 * (PASS - 1) + tl.arange(0, 1), new + tl.zeros([1], tl.int64))
+    tl.store(sbase + 2 * (PASS - 1) + 1 + tl.arange(0, 1), rem + tl.zeros([1], tl.int64))
+
+
+@triton.jit
+def _refine_radix(rkey_ptr, len_ptr, rsel_ptr, rhist_ptr, TMAX, PASS: tl.constexpr, HKV: tl.constexpr,
+                  HG: tl.constexpr, HG_PAD: tl.constexpr, BLK: tl.constexpr):
+    """Radix pass PASS (2..NPASS) over this block's keys that match the prefix chosen so far."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    pref = _load_scalar(rsel_ptr + grp * RSEL + 2 * (PASS - 2))
+    if (blk * BLK < T) & (pref >= 0):
+        pos = blk * BLK + tl.arange(0, BLK)
+        key = tl.load(rkey_ptr + pid_bh * TMAX + pos, mask=pos < T, other=-1)
+        SH: tl.constexpr = max(31 - RBITS * PASS, 0)
+        SH_PREV: tl.constexpr = 31 - RBITS * (PASS - 1)
+        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
+        MASK: tl.constexpr = (NBINS - 1) >> (RBITS - WIDTH)
+        match = (key >= 0) & ((key >> SH_PREV).to(tl.int64) == pref)
+        if tl.sum(match.to(tl.int32), 0) > 0:
+            hist = tl.histogram(tl.where(match, (key >> SH) & MASK, 0), NBINS, mask=match)
+            bins = tl.arange(0, NBINS)
+            tl.atomic_add(rhist_ptr + ((grp * HG_PAD + hl) * NPASS + PASS - 1) * NBINS + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def _refine_ties(rkey_ptr, len_ptr, rsel_ptr, rtie_ptr, TMAX, HKV: tl.constexpr, HG: tl.constexpr,
+                 BLK: tl.constexpr):
+    """Keys equal to lambda in this block: rtie[group, hl * NBLK + blk]."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    lam = _load_scalar(rsel_ptr + grp * RSEL + 2 * (NPASS - 1))
+    pos = blk * BLK + tl.arange(0, BLK)
+    key = tl.load(rkey_ptr + pid_bh * TMAX + pos, mask=pos < T, other=-1)
+    eq = (key >= 0) & (key.to(tl.int64) == lam)
+    tl.store(rtie_ptr + (grp * HG + hl) * NBLK + blk + tl.arange(0, 1),
+             tl.sum(eq.to(tl.int32), 0) + tl.zeros([1], tl.int32))
+
+
+@triton.jit
+def _refine_order(rkey_ptr, len_ptr, rsel_ptr, rtie_ptr, rcost_ptr, rord_ptr, rcnt_ptr, TMAX, HKV: tl.constexpr,
+                  HG: tl.constexpr, HG_PAD: tl.constexpr, BLK: tl.constexpr, NT_PAD: tl.constexpr):
+    """The block's chosen tokens in position order (``rord``: position in the block, int16) and how
+    many (``rcnt``): keys above lambda, and ties at lambda while the bits left last, in (head,
+    position) order."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    T = _load_scalar(len_ptr + b)
+    sbase = rsel_ptr + grp * RSEL + 2 * (NPASS - 1)
+    lam = _load_scalar(sbase)
+    rem = _load_scalar(sbase + 1)
+    cost = _group_costs(rcost_ptr, b, grp, HKV, HG, HG_PAD)  # [HG_PAD]
+    hh = tl.arange(0, HG_PAD)
+    mine = tl.sum(tl.where(hh == hl, cost, 0), 0)
+    # bits of the ties that come before this block: (head, block) order
+    NT = HG * NBLK
+    tt = tl.arange(0, NT_PAD)
+    tie = tl.load(rtie_ptr + grp * NT + tt, mask=tt < NT, other=0).to(tl.int64)
+    tcost = tl.sum(tl.where((tt // NBLK)[:, None] == hh[None, :], cost[None, :], 0), 1)  # [NT_PAD]
+    run = tl.sum(tl.where(tt < hl * NBLK + blk, tie * tcost, 0), 0)
+    lp = tl.arange(0, BLK)
+    pos = blk * BLK + lp
+    key = tl.load(rkey_ptr + pid_bh * TMAX + pos, mask=pos < T, other=-1)
+    valid = key >= 0
+    eq = valid & (key.to(tl.int64) == lam)
+    spent = run + tl.cumsum(eq.to(tl.int64), 0) * mine
+    take = valid & ((lam < 0) | (key.to(tl.int64) > lam) | (eq & (spent <= rem)))
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(rord_ptr + pid_bh * TMAX + blk * BLK + slot, lp.to(tl.int16), mask=take)
+    tl.store(rcnt_ptr + pid_bh * NBLK + blk + tl.arange(0, 1), tl.sum(take.to(tl.int32), 0) + tl.zeros([1], tl.int32))
+
+
+@triton.jit
+def _key_refine_f(kb_ptr, pt_ptr, len_ptr, rord_ptr, rcnt_ptr, qt_ptr, sig_ptr, base_ptr, tabw_ptr, logit_ptr,
+                  scale, SLOTS, TMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  W: tl.constexpr, P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr):
+    """Program (b*Hkv + h, block): the chosen tokens' Keys at depth W, TS tokens x D channels per
+    tile, one (token, channel) per thread: bit (position % 8) of each plane byte assembles the
+    code, one lookup in the depth-W table, and the logit of each query head of the group is
+    rewritten (scaled, as the Key stage writes it)."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    NB: tl.constexpr = P // 8
+    n = _load_scalar(rcnt_ptr + pid_bh * NBLK + blk)
+    cc = tl.arange(0, D)
+    sg = tl.load(sig_ptr + h * D + cc)
+    q0 = b * HQ + h * G
+    for s0 in range(0, n, TS):
+        ii = s0 + tl.arange(0, TS)
+        ok = ii < n
+        pos = blk * BLK + tl.load(rord_ptr + pid_bh * TMAX + blk * BLK + ii, mask=ok, other=0).to(tl.int32)
+        page = tl.load(pt_ptr + pid_bh * SLOTS + pos // P, mask=ok, other=0).to(tl.int64)
+        rb = page * (W * D * NB) + (pos % P) // 8  # [TS]: plane 0, channel 0
+        bit = (pos % 8)[:, None]
+        code = tl.zeros([TS, D], dtype=tl.int32)
+        for j in tl.static_range(W):
+            byte = tl.load(kb_ptr + rb[:, None] + j * (D * NB) + cc[None, :] * NB, mask=ok[:, None], other=0)
+            code = code | (((byte.to(tl.int32) >> bit) & 1) << (W - 1 - j))
+        z = tl.load(tabw_ptr + code)  # [TS, D] float32
+        for g in tl.static_range(G):
+            wq = tl.load(qt_ptr + (q0 + g) * D + cc) * sg
+            lg = (tl.sum(z * wq[None, :], 1) + _load_scalar(base_ptr + q0 + g)) * scale
+            tl.store(logit_ptr + (q0 + g) * TMAX + pos, lg, mask=ok)
+
+
+@triton.jit
+def _key_restat(logit_ptr, len_ptr, mstat_ptr, sstat_ptr, TMAX, HQ: tl.constexpr, HKV: tl.constexpr,
+                G: tl.constexpr, G2: tl.constexpr, NTOK: tl.constexpr):
+    """Program (b*Hkv + h, split of NTOK tokens): the split's softmax max and sum from its logits
+    (after refinement), as the Key stage computes them."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    NSPLIT = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    T = _load_scalar(len_ptr + b)
+    gg = tl.arange(0, G2)
+    pos = split * NTOK + tl.arange(0, NTOK)
+    msk = (gg[:, None] < G) & (pos[None, :] < T)
+    q0 = b * HQ + h * G
+    lg = tl.load(logit_ptr + (q0 + gg[:, None]) * TMAX + pos[None, :], mask=msk, other=float("-inf"))
+    m = tl.max(lg, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(lg - m_safe[:, None]), 1)
+    tl.store(mstat_ptr + (q0 + gg) * NSPLIT + split, m, mask=gg < G)
+    tl.store(sstat_ptr + (q0 + gg) * NSPLIT + split, s, mask=gg < G)
