@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model_id": s.lm.model_id, "model_revision": s.lm.revision,
             "calibration_id": s.calibration.calibration_id, "format_id": s.codec.format_id,
             "hardware": hardware(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "planekv eval all " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": "planekv eval all " + " ".join(shlex.quote(a) for a in _own_args(sys.argv[1:])),
             "settings": settings, "seconds": {}}
     prev = _previous(out, meta) if args.resume else None
     if prev is not None:  # the same run continued: keep its record, note the continuation
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         sp = run_split_search(s, args.rates, args.grid, args.window, args.split_windows, row_chunk=args.row_chunk)
         sp["seconds"] = meta["seconds"]["split_search"] = time.perf_counter() - t0
+        write_json(out / "run.json", meta)  # each job's time is on disk as soon as it is done
         write_json(out / "split_search.json", sp)
         k_share = {float(r): v for r, v in sp["k_share"].items()}
         if args.freeze:
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk)
         res["seconds"] = meta["seconds"]["perplexity"] = time.perf_counter() - t0
+        write_json(out / "run.json", meta)
         write_json(out / "perplexity.json", res)
         write_report(out)
     if "passkey" not in args.skip:
@@ -117,11 +119,16 @@ def run(args: argparse.Namespace) -> int:
                           resume=earlier)
         res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0 + meta["seconds"].get("passkey", 0.0)
         write_json(out / "passkey.json", res)
-    meta["seconds"]["total"] = time.perf_counter() - t_all
+    meta["seconds"]["total"] = time.perf_counter() - t_all + meta["seconds"].get("total", 0.0)
     write_json(out / "run.json", meta)
     md = write_report(out)
     log.info("evaluation done in %.0f s; report at %s", meta["seconds"]["total"], md)
     return 0
+
+
+def _own_args(argv: Sequence[str]) -> list[str]:
+    """The suite's own arguments (without ``eval all`` when it ran through the ``planekv`` CLI)."""
+    return list(argv[2:]) if list(argv[:2]) == ["eval", "all"] else list(argv)
 
 
 def _load(path: Path) -> dict:
