@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .kvstore import Codec, PlaneKVCache, ReadPolicy, capacity_for, dense_bytes, write_amortization
-from .kvstore.reference import SYSTEM_NAMES, attention, make_system, readkv_decode
+from .kvstore.reference import SYSTEM_NAMES, ReadKV, attention, make_system, readkv_decode
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def run_demo(data: DemoData, rates: tuple[float, ...] = (4.0, 2.0),
                 progress(f"{system.name} at R = {rate:g}")
             err_num = err_den = bits = scalars = 0.0
             for li, ref in zip(data.layers, refs, strict=True):
-                if name.startswith("readkv"):
+                if isinstance(system, ReadKV):  # the paged decode path, planes read at the depths
                     pol: ReadPolicy = system.policy  # type: ignore[attr-defined]
                     out, st = readkv_decode(li.q.transpose(0, 1), cache, li.layer, codec, pol, scale=li.scale)
                     out = out.transpose(0, 1)

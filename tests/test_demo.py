@@ -18,4 +18,7 @@ def test_demo_rows() -> None:
         assert flex.capacity_bits == 8.0
         assert flex.rel_error < 1.0
     assert by[("ReadKV(8,4) flexible", 4.0)].rel_error < by[("ReadKV(8,2) flexible", 2.0)].rel_error
+    for rate in (4.0, 2.0):  # PlaneKV's flexible reader (+ Key refinement) spends at most the same budget
+        kr = by[(f"ReadKV(8,{rate:g}) flexible + Key refinement 0.3", rate)]
+        assert rate - 0.1 < kr.bits_read <= rate + 1e-9 and kr.rel_error < 1.0
     assert facts["pages_in_use"] > 0

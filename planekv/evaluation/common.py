@@ -18,6 +18,7 @@ import torch
 
 from ..kvstore import Calibration, Codec, ReadPolicy
 from ..kvstore.baselines import KVSystem
+from ..kvstore.policy import PLANEKV_KEY_REFINE
 from ..kvstore.reference import ReadKV, make_system
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ VARIANT_OPTIONS: dict[str, dict[str, Any]] = {"readkv-flexible-hw": {"value_head
                                               "readkv-flexible-kv": {"key_variance_correction": True},
                                               "readkv-flexible-sink": {"sink_keys": 1},
                                               "readkv-flexible-stv": {"single_token_values": True},
-                                              "readkv-flexible-kr": {"key_refine": 0.3},
+                                              "readkv-flexible-kr": {"key_refine": PLANEKV_KEY_REFINE},
                                               "readkv-flexible-kr16": {"key_refine": 0.2, "key_refine_block": 16}}
 VARIANTS = tuple(VARIANT_OPTIONS)
 FLEXIBLE = ("readkv-flexible", *VARIANTS)

@@ -19,6 +19,10 @@ from .errors import BudgetError
 
 Reader = Literal["flexible", "constrained"]
 
+# PlaneKV's flexible reader: ReadKV's flexible reader plus the third read stage, Key refinement, at
+# this share of B_K (chosen on the dev text at R = 2; EVALUATION.md "Fourth round", docs/DECISIONS.md)
+PLANEKV_KEY_REFINE = 0.3
+
 
 @dataclass(frozen=True)
 class ReadPolicy:
@@ -159,4 +163,8 @@ class ReadPolicy:
             r = f"{self.rate:g}"
         else:
             r = f"BK={self.budget_k},BV={self.budget_v}"
-        return f"ReadKV({self.width},{r}) {self.reader}"
+        out = f"ReadKV({self.width},{r}) {self.reader}"
+        if self.key_refine:
+            out += f" + Key refinement {self.key_refine:g}"
+            out += f" (blocks of {self.key_refine_block})" if self.key_refine_block > 1 else ""
+        return out

@@ -39,7 +39,7 @@ from .baselines import (  # noqa: E402,F401
 )
 from .codec import Codec
 from .planes import PlaneKVCache
-from .policy import ReadPolicy
+from .policy import PLANEKV_KEY_REFINE, ReadPolicy
 from .stats import ReadStats
 
 __all__ = [
@@ -355,7 +355,8 @@ class ReadKV(KVSystem):
         return readkv_rows(q, enc["k"], enc["v"], self.codec, enc["layer"], self.policy, lengths, starts, scale)
 
 
-SYSTEM_NAMES = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant",
+# planekv-flexible = PlaneKV's flexible reader: readkv-flexible + Key refinement (PLANEKV_KEY_REFINE)
+SYSTEM_NAMES = ("dense", "readkv-flexible", "planekv-flexible", "readkv-constrained", "full-reader", "turboquant",
                 "kivi", "sparq", "fp8")
 
 
@@ -365,14 +366,15 @@ def make_system(name: str, rate: float, codec: Codec | None = None, k_share: flo
     b = max(1, int(round(rate)))
     if name == "dense":
         return Dense(torch.float16)
-    if name in ("readkv-flexible", "readkv-constrained", "full-reader"):
+    if name in ("readkv-flexible", "planekv-flexible", "readkv-constrained", "full-reader"):
         if codec is None:
             raise ValueError(f"{name} needs a codec")
         if name == "full-reader":
             return FullReader(codec, b)
-        pol = ReadPolicy.flexible(rate, k_share, codec.width) if name == "readkv-flexible" \
-            else ReadPolicy.constrained(rate, codec.width)
-        return ReadKV(codec, pol)
+        if name == "readkv-constrained":
+            return ReadKV(codec, ReadPolicy.constrained(rate, codec.width))
+        kr = {"key_refine": PLANEKV_KEY_REFINE} if name == "planekv-flexible" else {}
+        return ReadKV(codec, ReadPolicy.flexible(rate, k_share, codec.width, **kr))
     if name == "turboquant":
         return TurboQuant(b, seed)
     if name == "kivi":
