@@ -118,6 +118,39 @@ def main() -> None:
         timing = f"{ms:.4f} ms" if ms is not None else "(not timed on CPU)"
         print(f"{name}: {timing}, counted {res[name + '_count']}")
     print(f"group 0: {keys.numel()} keys, {same} of them in lambda's 11-bit bin ({100 * same / keys.numel():.2f}%)")
+    count = int(plan.vdep[0].long().sum())
+    lo, hi, n_cand = bracket(vimp[: reader.codec.spec.n_kv_heads][..., :t].flatten(), r[r > 0], count)
+    ok = lo < lam <= hi
+    print(f"conservative bracket from the 2048-bin importance histogram: ({lo:.4e}, {hi:.4e}], lambda "
+          f"{lam:.4e} {'inside' if ok else 'OUTSIDE'}; {n_cand} candidate keys ({100 * n_cand / keys.numel():.2f}%)")
+
+
+def bracket(imp: torch.Tensor, r: torch.Tensor, count: int, shift: int = 20) -> tuple[float, float, int]:
+    """(L_lo, L_hi] holding lambda (the count-th largest key imp_i x r_k), found from the histogram of
+    the importances' top bits alone, with one bin of margin on each side for the float32 product's
+    rounding; and how many keys fall inside (what an exact second pass would have to rank)."""
+    nb = 1 << (31 - shift)
+    bins = (imp.float().contiguous().view(torch.int32) >> shift).long()
+    hist = torch.bincount(bins, minlength=nb)
+    above = torch.cat([hist.flip(0).cumsum(0).flip(0), hist.new_zeros(1)]).cpu()  # above[b] = #{bin >= b}
+
+    def bound(x: int, margin: int) -> int:  # keys > x (bit pattern), counted at bin edges
+        y = (torch.tensor([x], dtype=torch.int32).view(torch.float32) / r.float().cpu()).view(torch.int32)
+        b = (y.long() >> shift) + margin
+        return int(above[b.clamp(0, nb)].sum())
+
+    def search(pred) -> int:  # smallest bit pattern x in [0, 0x7F800000] with pred(x), pred monotone
+        a, z = 0, 0x7F800000
+        while a < z:
+            mid = (a + z) // 2
+            a, z = (a, mid) if pred(mid) else (mid + 1, z)
+        return a
+
+    hi = search(lambda x: bound(x, -1) < count)  # surely fewer than count keys above: lambda <= hi
+    lo = search(lambda x: bound(x, 2) < count) - 1  # the largest x that surely has >= count above
+    lo_f, hi_f = (torch.tensor([v], dtype=torch.int32).view(torch.float32).item() for v in (max(lo, 0), hi))
+    keys = (imp.float()[:, None] * r.float()[None, :]).flatten().cpu()
+    return lo_f, hi_f, int(((keys > lo_f) & (keys <= hi_f)).sum())
 
 
 if __name__ == "__main__":
