@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from planekv.kernels import alloc2 as A2
 from planekv.kernels import decode as K
 from planekv.kernels import encode as E
 from planekv.kernels import fp8 as F
@@ -80,6 +81,22 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(recs, f, indent=1)
+
+
+def compile_alloc2(hk: int, hg: int, d: int, ks_v: int, kspv: int, min_v: int, pk: int, nw: int, sd: str | None,
+                   t: str, want) -> None:
+    """The kernels of planekv.kernels.alloc2 (two-pass Value allocation) for one geometry and reader."""
+    g = dict(USE_RATE=True, HKV=hk, HG=hg, D=d, W=8, MIN_V=min_v, PACKET=pk, KS=ks_v)
+    if want(A2._v_bracket):
+        compile_one(A2._v_bracket, dict(ihist_ptr=P32, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, RATE="fp64", BK="i32",
+                                        BV_FIXED="i32"), dict(KS_PAD=kspv, **g), num_warps=4, sass_dir=sd, tag=t)
+    if want(A2._v_cand):
+        compile_one(A2._v_cand, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, cand_ptr=P32, TMAX="i32",
+                                     RATE="fp64", BK="i32", BV_FIXED="i32", CAP="i32"),
+                    dict(BLK=1024, KS_PAD=kspv, **g), num_warps=nw, sass_dir=sd, tag=t)
+    if want(A2._v_exact):
+        compile_one(A2._v_exact, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, RATE="fp64", BK="i32",
+                                      BV_FIXED="i32"), dict(CAP=32768, **g), num_warps=16, sass_dir=sd, tag=t)
 
 
 def compile_refine(hq: int, hk: int, hg: int, hgp: int, g: int, g2: int, d: int, radix_passes: tuple[int, ...],
@@ -145,9 +162,9 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             if want(K._prep):
                 compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16", wlo_ptr="*fp16",
                                           base_ptr=PI, kdep_ptr=P32, kord_ptr=P32, kcnt_ptr=P32, hist_ptr=P32,
-                                          count_k="i32", rhist_ptr=P32),
+                                          count_k="i32", rhist_ptr=P32, ihist_ptr=P32),
                             dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
-                                 RHW=0 if fixed else hgp * R.HIST_STRIDE_R),
+                                 RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed),
                             num_warps=4, sass_dir=sd, tag=t)
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
@@ -173,17 +190,26 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                 compile_refine(hq, hk, hg, hgp, g, g2, d, radix_passes, nw, sd, t, want)
             if not fixed:
                 if want(K._value_hist):
-                    compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, r_ptr=PI,
-                                                    vimp_ptr=PI, hist_ptr=P32, hw_ptr=PI, TMAX="i32", NSK="i32"),
-                                dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v, KS_PAD=kspv,
-                                     HEAD_WEIGHT=True),
-                                num_warps=nw, sass_dir=sd, tag=t)
+                    for two_pass in (False, True):
+                        compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32,
+                                                        r_ptr=PI, vimp_ptr=PI, hist_ptr=P32, hw_ptr=PI, ihist_ptr=P32,
+                                                        TMAX="i32", NSK="i32"),
+                                    dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v,
+                                         KS_PAD=kspv, HEAD_WEIGHT=True, TWO_PASS=two_pass),
+                                    num_warps=nw, sass_dir=sd, tag=t + ("-2pass" if two_pass else ""))
                 for pas in radix_passes:
                     if want(K._value_radix):
-                        compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, TMAX="i32",
-                                                         RATE="fp64", BK="i32", BV_FIXED="i32"),
-                                    dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, **vc), num_warps=nw, sass_dir=sd,
-                                    tag=f"{t}p{pas}")
+                        compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32,
+                                                         cmeta_ptr=P32, TMAX="i32", RATE="fp64", BK="i32",
+                                                         BV_FIXED="i32"),
+                                    dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=True, **vc), num_warps=nw,
+                                    sass_dir=sd, tag=f"{t}p{pas}")
+                if want(K._value_radix):  # the gated pass 1 (two-pass allocation's fall back)
+                    compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, cmeta_ptr=P32,
+                                                     TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
+                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, **vc), num_warps=nw,
+                                sass_dir=sd, tag=f"{t}p1")
+                compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
                 if want(K._value_ties):
                     compile_one(K._value_ties, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
                                                     TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
@@ -198,8 +224,10 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                  NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), T8=d >= 256, **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
             if not fixed and want(K._radix_select):
-                compile_one(K._radix_select, dict(hist_ptr=P32, len_ptr=P32, RATE="fp64", BK="i32", BV_FIXED="i32"),
-                            dict(USE_RATE=True, PASS=3, HKV=hk, HG=hg, D=d, W=8, MIN_V=min_v, PACKET=pk, KS=ks_v),
+                compile_one(K._radix_select, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, RATE="fp64", BK="i32",
+                                                  BV_FIXED="i32"),
+                            dict(USE_RATE=True, PASS=3, HKV=hk, HG=hg, D=d, W=8, MIN_V=min_v, PACKET=pk, KS=ks_v,
+                                 GATED=True),
                             num_warps=1, sass_dir=sd, tag=t)
             if not fixed and want(K._value_order):
                 compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,

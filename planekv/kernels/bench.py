@@ -261,7 +261,7 @@ def _refine_sector_bytes(refined: torch.Tensor, kdep: torch.Tensor, lengths: tor
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
               k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str | None = None,
               compact_values: bool | None = None, pages_per_program: int | None = None,
-              progress: Callable[[str], None] | None = None) -> list[Row]:
+              progress: Callable[[str], None] | None = None, value_alloc: str | None = None) -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -287,7 +287,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         for system in systems:
             try:
                 row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly,
-                           compact_values, pages_per_program)
+                           compact_values, pages_per_program, value_alloc)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -307,7 +307,8 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
          scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str | None = None,
-         compact_values: bool | None = None, pages_per_program: int | None = None) -> Row:
+         compact_values: bool | None = None, pages_per_program: int | None = None,
+         value_alloc: str | None = None) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -340,7 +341,8 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         pol = _policy(system, k_share)
         if pol is None:
             raise ValueError(f"unknown system {system}")
-        reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values)
+        reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values,
+                              value_alloc=value_alloc)
     plan = reader.plan(b, t, dev, pages_per_program=pages_per_program)
     s0 = sets[0]
     if check:

@@ -20,6 +20,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
                      k_share=args.k_share, num_warps=args.num_warps, assembly=args.assembly,
                      pages_per_program=args.pages_per_program,
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
+                     value_alloc=None if args.value_alloc == "auto" else args.value_alloc,
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
@@ -51,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "heads per KV head); bit transposition with MMAs (the default above); bit-serial with MMAs")
     a.add_argument("--pages-per-program", type=int, default=None,
                    help="pages per Key-stage program (default: the reader's, by assembly)")
+    a.add_argument("--value-alloc", choices=("auto", "two-pass", "radix"), default="auto",
+                   help="how the Value allocation finds lambda (auto: by step size; docs/KERNEL_NOTES.md runs 33-34)")
     a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",
                    help="Value stage over the depth > 0 tokens sorted by depth (on), every 32-token tile (off), "
                         "or the reader's measured choice (auto)")

@@ -45,6 +45,14 @@ NPASS = tl.constexpr(8)
 HSTRIDE = tl.constexpr(16 * 8 + 2 * 8)
 SELBASE = tl.constexpr(16 * 8)
 HIST_STRIDE = 16 * 8 + 2 * 8
+# two-pass Value allocation (planekv.kernels.alloc2): per group a 2048-bin histogram of the
+# importances' top 11 bits (exponent and 3 mantissa bits) and its suffix sums; 8 words of state
+IHSHIFT = tl.constexpr(20)
+IHBINS = tl.constexpr(2048)
+IHSTRIDE = tl.constexpr(4096)
+IH_STRIDE = 4096
+CMETA = tl.constexpr(8)
+CMETA_WORDS = 8
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -86,29 +94,33 @@ def _select_digit(hist_ptr, NB: tl.constexpr, need):
 
 
 @triton.jit
-def _radix_select(hist_ptr, len_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, PASS: tl.constexpr,
+def _radix_select(hist_ptr, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, PASS: tl.constexpr,
                   HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr,
-                  PACKET: tl.constexpr, KS: tl.constexpr):
+                  PACKET: tl.constexpr, KS: tl.constexpr, GATED: tl.constexpr):
     """One program per allocation group, after radix pass PASS: the digit of the count-th largest
     key in that pass's histogram, appended to the digits of earlier passes, and the keys still to
     take among those matching them, stored once (SELBASE + 2 (PASS - 1)) so that the next pass and the
     Value stage read two words instead of every program re-deriving them from the histograms (a chain
     of dependent loads per program, which dominated the passes)."""
     grp = tl.program_id(0)
-    b = grp // (HKV // HG)
-    T = _load_scalar(len_ptr + b)
-    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    hbase = hist_ptr + grp * HSTRIDE
-    if PASS == 1:
-        pref = count * 0
-        rem = tl.maximum(count, 1)
-    else:
-        pref = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))
-        rem = _load_scalar(hbase + SELBASE + 2 * (PASS - 2) + 1)
-    dsel, rem = _select_digit(hbase + (PASS - 1) * NBINS, NBINS, rem)
-    pref = (pref << min(RBITS, 31 - RBITS * (PASS - 1))) | dsel
-    tl.store(hbase + SELBASE + 2 * (PASS - 1), pref)
-    tl.store(hbase + SELBASE + 2 * (PASS - 1) + 1, rem)
+    go = grp >= 0
+    if GATED:  # the two-pass allocation found lambda itself unless its candidates overflowed
+        go = _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0
+    if go:
+        b = grp // (HKV // HG)
+        T = _load_scalar(len_ptr + b)
+        count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+        hbase = hist_ptr + grp * HSTRIDE
+        if PASS == 1:
+            pref = count * 0
+            rem = tl.maximum(count, 1)
+        else:
+            pref = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))
+            rem = _load_scalar(hbase + SELBASE + 2 * (PASS - 2) + 1)
+        dsel, rem = _select_digit(hbase + (PASS - 1) * NBINS, NBINS, rem)
+        pref = (pref << min(RBITS, 31 - RBITS * (PASS - 1))) | dsel
+        tl.store(hbase + SELBASE + 2 * (PASS - 1), pref)
+        tl.store(hbase + SELBASE + 2 * (PASS - 1) + 1, rem)
 
 
 @triton.jit
@@ -150,8 +162,9 @@ def _split16(x):
 
 @triton.jit
 def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr, count_k,
-          rhist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-          KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr, RHW: tl.constexpr):
+          rhist_ptr, ihist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
+          D: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr,
+          RHW: tl.constexpr, TWO_PASS: tl.constexpr):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
     refinement (RHW > 0 words of refinement histograms per group) those start at zero too."""
     pid = tl.program_id(0)
@@ -212,6 +225,9 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
     if RHW > 0:
         zr = tl.arange(0, RHW)
         tl.store(rhist_ptr + pid * RHW + zr, tl.zeros([RHW], tl.int32))
+    if TWO_PASS:  # the two-pass Value allocation's importance histogram
+        zb = tl.arange(0, IHBINS)
+        tl.store(ihist_ptr + pid * IHSTRIDE + zb, tl.zeros([IHBINS], tl.int32))
 
 
 # ----------------------------------------------------------------------------- Key stage
@@ -542,11 +558,12 @@ def _keys(bimp, r_ptr, KS: tl.constexpr, KS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, hw_ptr, TMAX, NSK,
+def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, hw_ptr, ihist_ptr, TMAX, NSK,
                 HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
                 NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
-                HEAD_WEIGHT: tl.constexpr):
-    """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1."""
+                HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr):
+    """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1 (TWO_PASS: instead,
+    the group's 2048-bin histogram of the importances' top 11 bits, one atomic add per token)."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid_bh // HKV
@@ -561,29 +578,40 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         if HEAD_WEIGHT:  # ReadPolicy.value_head_weight: times the head's sum of sigma_V^2
             bimp = bimp * _load_scalar(hw_ptr + h)
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
-        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-        msk = kok[:, None] & (pos[None, :] < T)
-        SH1: tl.constexpr = 31 - RBITS
-        hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
-        bins = tl.arange(0, NBINS)
-        tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0)
+        if TWO_PASS:
+            dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT
+            tl.atomic_add(ihist_ptr + grp * IHSTRIDE + dig, tl.full([BLK], 1, tl.int32), mask=pos < T)
+        else:
+            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+            msk = kok[:, None] & (pos[None, :] < T)
+            SH1: tl.constexpr = 31 - RBITS
+            hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
+            bins = tl.arange(0, NBINS)
+            tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0)
 
 
 @triton.jit
-def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
                  PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr):
-    """Radix pass PASS (2..NPASS) over the keys that match the digits chosen so far."""
+                 PACKET: tl.constexpr, GATED: tl.constexpr):
+    """Radix pass PASS (2..NPASS; 1 as well when GATED) over the keys that match the digits chosen
+    so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed."""
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid_bh // HKV
     grp, _ = _group_of(pid_bh, HKV, HG)
     T = _load_scalar(len_ptr + b)
-    if blk * BLK < T:
+    run = blk * BLK < T
+    if GATED:
+        run = run & (_load_scalar(cmeta_ptr + grp * CMETA + 4) != 0)
+    if run:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
         hbase = hist_ptr + grp * HSTRIDE
-        prefix = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))  # digits of passes 1..PASS-1
+        if PASS == 1:
+            prefix = count * 0
+        else:
+            prefix = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))  # digits of passes 1..PASS-1
         pos = blk * BLK + tl.arange(0, BLK)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)

@@ -17,8 +17,11 @@ from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ._dispatch import check_device
+from .alloc2 import _v_bracket, _v_cand, _v_exact
 from .decode import (
+    CMETA_WORDS,
     HIST_STRIDE,
+    IH_STRIDE,
     NPASS,
     _combine,
     _key_stage,
@@ -90,6 +93,11 @@ def reversed_table_f32(codec: Codec) -> torch.Tensor:
     return codec.tree.table().float().reshape(w + 1, 1 << w)[:, _bit_reversal(w)].reshape(-1).contiguous()
 
 
+# How lambda of the Value allocation is found: "two-pass" (an importance histogram brackets it, one
+# exact pass over the keys in the bracket; the radix passes only for groups whose bracket overflows)
+# or "radix" (8 radix passes of 4 bits); None picks by the step's size. docs/KERNEL_NOTES.md runs 33-34.
+VALUE_ALLOC = ("two-pass", "radix")
+
 # How the Key and Value stages decode planes: "fma" (on the CUDA cores, float32 table and FMAs, one row
 # of 8 tokens or one token's 8 channels per thread), "transpose" (word-level bit transposition feeding
 # MMAs), "serial" (bit-serial assembly feeding MMAs).
@@ -133,13 +141,18 @@ class Plan:
     rcnt: torch.Tensor  # [B, Hkv, NBLK] i32: chosen tokens per block
     rord: torch.Tensor  # [B, Hkv, T] i16: per block, the chosen tokens' positions in it (the first rcnt)
     rcost: torch.Tensor  # [B * Hkv] i32: bits to refine one token of the head
+    # two-pass Value allocation (one-element placeholders without it)
+    two_pass: bool
+    ihist: torch.Tensor  # [groups, IH_STRIDE] i32: importance histogram and its suffix sums
+    cmeta: torch.Tensor  # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, overflow
+    cand: torch.Tensor  # [groups, cap] i32: candidate keys
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
         bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits,
                 self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
-                self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost)
+                self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand)
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
@@ -152,15 +165,22 @@ class TritonReader:
     """
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
-                 fixed_depth: int = 0, assembly: str | None = None, compact_values: bool | None = None) -> None:
+                 fixed_depth: int = 0, assembly: str | None = None, compact_values: bool | None = None,
+                 value_alloc: str | None = None, cand_cap: int | None = None) -> None:
         if assembly is None:  # the FMA stages, which hold one accumulator per query head of a group (<= 8)
             assembly = "fma" if codec.spec.group_size <= 8 else "transpose"
         if assembly not in ASSEMBLY:
             raise ValueError(f"assembly must be one of {ASSEMBLY}, got {assembly!r}")
         if assembly == "fma" and codec.spec.group_size > 8:
             raise ValueError(f"the FMA Key stage handles up to 8 query heads per KV head, got {codec.spec.group_size}")
+        if value_alloc is not None and value_alloc not in VALUE_ALLOC:
+            raise ValueError(f"value_alloc must be one of {VALUE_ALLOC}, got {value_alloc!r}")
+        if cand_cap is not None and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
+            raise ValueError(f"cand_cap must be a power of two >= 16, got {cand_cap}")
         self.codec = codec
         self.assembly = assembly
+        self.value_alloc = value_alloc
+        self._cand_cap = cand_cap
         self.fixed_depth = fixed_depth
         if fixed_depth:
             # Full Reader: every K channel and V token at one depth, read fully; no allocation.
@@ -261,6 +281,7 @@ class TritonReader:
         i32 = dict(dtype=torch.int32, device=dev)
         self._on(dev)
         r = self.refine
+        tp = self._two_pass(batch * hk * max_tokens)
         return Plan(
             batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
             qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
@@ -285,7 +306,29 @@ class TritonReader:
             rcnt=torch.zeros(batch if r else 1, hk if r else 1, n_blocks if r else 1, **i32),
             rord=torch.zeros(batch if r else 1, hk if r else 1, max_tokens if r else 1, dtype=torch.int16, device=dev),
             rcost=torch.zeros(batch * hk if r else 1, **i32),
+            two_pass=tp, ihist=torch.zeros(groups if tp else 1, IH_STRIDE if tp else 1, **i32),
+            cmeta=torch.zeros(groups if tp else 1, CMETA_WORDS, **i32),
+            cand=torch.zeros(groups if tp else 1, self._cap(max_tokens) if tp else 1, **i32),
         )
+
+    def _two_pass(self, tokens: int) -> bool:
+        """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
+        Value allocation. None = measured choice (run 34, docs/KERNEL_NOTES.md): at B=32 T=32768
+        (8.4M) it took the flexible R=2 step from 2.49 to 2.22 ms, at B=1 T=8192 (65k) it made it
+        slower (0.19 -> 0.22 ms: the bracket's bisection is a chain of dependent loads); sizes between
+        were not measured with it, so it is chosen from 2^22 (4M) only."""
+        if self.fixed_depth:
+            return False
+        if self.value_alloc is None:
+            return tokens >= 1 << 22
+        return self.value_alloc == "two-pass"
+
+    def _cap(self, max_tokens: int) -> int:
+        """Candidate keys kept per group (a power of two): measured brackets held 0.6% of the keys
+        (run 33), so 32768 covers a group of ~5M keys; fewer when the group has fewer keys."""
+        if self._cand_cap is not None:
+            return self._cand_cap
+        return max(16, min(32768, next_pow2(self.ks_v * self.hg * max_tokens)))
 
     @property
     def _rhw(self) -> int:
@@ -349,9 +392,9 @@ class TritonReader:
         torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
         mark("q_transform")
         _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.kord,
-                         plan.kcnt, plan.hist, self.count_k, plan.rhist, HQ=hq, HKV=hk, HG=self.hg, G=g, D=d,
-                         KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
-                         RHW=self._rhw if self.refine else 0, num_warps=4)
+                         plan.kcnt, plan.hist, self.count_k, plan.rhist, plan.ihist, HQ=hq, HKV=hk, HG=self.hg, G=g,
+                         D=d, KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
+                         RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass, num_warps=4)
         mark("prep")
         if self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.qt, sig_k, plan.base,
@@ -371,18 +414,31 @@ class TritonReader:
         if self.refine:
             self._refine(plan, k_pool, page_table, lengths, sig_k, scale, slots, g, g2, nsk_pad, groups, mark)
         if not self.fixed_depth:
+            tp = plan.two_pass
             _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
-                              c["hw"][layer], tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2, NSK_PAD=nsk_pad,
-                              BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v, HEAD_WEIGHT=pol.value_head_weight,
-                              num_warps=nw)
+                              c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
+                              NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
+                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, num_warps=nw)
             mark("value_hist")
-            sel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
-                       KS=self.ks_v, num_warps=1)
-            _radix_select[(groups,)](plan.hist, lengths, rate, self.bk, bv_fixed, PASS=1, **sel)
-            for pas in range(2, NPASS.value + 1):
-                _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, tmax, rate, self.bk, bv_fixed,
-                                   USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
-                _radix_select[(groups,)](plan.hist, lengths, rate, self.bk, bv_fixed, PASS=pas, **sel)
+            gsel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
+                        KS=self.ks_v)
+            if tp:  # lambda from the bracket and its candidates; radix passes only where they overflow
+                cap = plan.cand.shape[1]
+                _v_bracket[(groups,)](plan.ihist, lengths, c["rv"], plan.cmeta, rate, self.bk, bv_fixed,
+                                      KS_PAD=self.kspad_v, **gsel, num_warps=4)
+                _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
+                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=nw)
+                _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
+                                    **gsel, num_warps=8 if cap <= 8192 else 16)
+                mark("value_two_pass")
+            if not tp:
+                _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
+                                         **gsel, num_warps=1)
+            for pas in range(1 if tp else 2, NPASS.value + 1):
+                _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk, bv_fixed,
+                                   USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp, **vconst, num_warps=nw)
+                _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas, GATED=tp,
+                                         **gsel, num_warps=1)
                 mark(f"value_radix{pas}")
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
                               USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)

@@ -1,0 +1,68 @@
+"""The two-pass Value allocation (planekv.kernels.alloc2) finds the radix select's lambda: the same
+Value depths as the 8-pass radix select and as the reference reader, also when a group's bracket
+overflows its candidate buffer and the radix passes run for that group alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planekv.kernels import TritonReader
+from planekv.kvstore import ReadPolicy
+from planekv.kvstore.reference import readkv_decode
+
+from .test_reader import POLICIES, _setup, assert_same_depths
+
+
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2", "explicit-budgets", "flexible-r2-head-weight"])
+@pytest.mark.parametrize("cap", [None, 16])
+def test_two_pass_equals_radix_select(name: str, cap: int | None) -> None:
+    """cap=16: groups whose candidates overflow get lambda from the gated radix passes."""
+    policy = POLICIES[name]
+    lengths = [150, 97]
+    codec, cache, q = _setup(seed=len(name) + (cap or 0), lengths=lengths)
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    runs = {}
+    for alloc in ("radix", "two-pass"):
+        reader = TritonReader(codec, policy, value_alloc=alloc, cand_cap=cap if alloc == "two-pass" else None)
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)  # several blocks per sequence
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs[alloc] = (out, st, plan)
+    (o_r, s_r, _), (o_t, s_t, p_t) = runs["radix"], runs["two-pass"]
+    overflowed = p_t.cmeta[:, 4].bool()
+    if cap is None:
+        assert not bool(overflowed.any())
+    elif policy.pool_heads:  # a pooled group's bracket holds more than 16 keys: it falls back
+        assert bool(overflowed.any())
+    assert torch.equal(s_t.v_depths, s_r.v_depths)
+    assert torch.equal(o_t, o_r)
+    for b in range(2):
+        assert_same_depths(s_t.v_depths[b, :, : lengths[b]], rst.extra["v_depths"][b], policy.v_packet)
+    assert ((o_t - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def test_two_pass_bracket_holds_lambda_with_few_candidates() -> None:
+    """On a longer sequence the bracket from the importance histogram holds a small share of the
+    keys and lambda lies inside it."""
+    codec, cache, q = _setup(seed=9, lengths=[1000])
+    policy = ReadPolicy.flexible(2.0, 0.875)
+    reader = TritonReader(codec, policy, value_alloc="two-pass")
+    plan = reader.plan(1, 1000, "cpu")
+    reader.decode(q, cache, 0, plan=plan)
+    lo, hi, n_cand, n_above, over = plan.cmeta[0, :5].tolist()
+    lam = int(plan.hist[0, 128 + 2 * 7])  # where the radix select leaves lambda (SELBASE + 2 (NPASS - 1))
+    n_keys = reader.ks_v * cache.spec.n_kv_heads * 1000
+    assert over == 0 and lo < lam <= hi
+    assert 0 < n_cand < 0.1 * n_keys and n_above >= 0
+
+
+def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
+    codec, _, _ = _setup(seed=1, lengths=[64])
+    auto = TritonReader(codec, ReadPolicy.flexible(2.0))
+    assert not auto.plan(1, 4096, "cpu").two_pass and auto.plan(256, 8192, "cpu").two_pass  # from 2^22 tokens
+    assert TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="two-pass").plan(1, 64, "cpu").two_pass
+    with pytest.raises(ValueError, match="value_alloc"):
+        TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="sort")
+    with pytest.raises(ValueError, match="cand_cap"):
+        TritonReader(codec, ReadPolicy.flexible(2.0), cand_cap=100)
