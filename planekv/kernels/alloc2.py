@@ -26,7 +26,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import CMETA, HSTRIDE, IHBINS, IHSHIFT, IHSTRIDE, NPASS, SELBASE, _group_of, _keys, _load_scalar, _v_count
+from .decode import (
+    CMETA,
+    HSTRIDE,
+    IHBINS,
+    IHSHIFT,
+    IHSTRIDE,
+    NPASS,
+    SELBASE,
+    _block_prog,
+    _keys,
+    _load_scalar,
+    _v_count,
+)
 
 
 @triton.jit
@@ -87,11 +99,7 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
             HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
             KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
     """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP)."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = pid_bh // HKV
-    grp, _ = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     if (blk * BLK < T) & (count > 0):
         meta = cmeta_ptr + grp * CMETA
@@ -126,7 +134,7 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
     meta = cmeta_ptr + grp * CMETA
     n_cand = _load_scalar(meta + 2)
     over = (n_cand > CAP) & (count > 0)
-    tl.store(meta + 4 + tl.arange(0, 1), over.to(tl.int32) + tl.zeros([1], tl.int32))
+    tl.store(meta + 4, over.to(tl.int32))
     if (count > 0) & (n_cand <= CAP):
         need = count - _load_scalar(meta + 3)
         cc = tl.arange(0, CAP)
@@ -142,5 +150,5 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         lam = a
         left = need - tl.sum((keys > lam).to(tl.int32), 0)
         hb = hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1)
-        tl.store(hb + tl.arange(0, 1), lam + tl.zeros([1], tl.int32))
-        tl.store(hb + 1 + tl.arange(0, 1), left + tl.zeros([1], tl.int32))
+        tl.store(hb, lam)
+        tl.store(hb + 1, left)

@@ -379,6 +379,7 @@ def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int 
     _sync(out.device)
     errs, kmis, vmis, rmis = [], 0, 0, 0
     pol = reader.policy
+    refined = reader.refined(plan) if reader.refine else None
     for bi in range(min(n_seq, s.q.shape[0])):
         t = int(s.lengths[bi])
         kc = s.cache.read_k(0, bi, 8)
@@ -394,13 +395,13 @@ def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int 
             ref = ref[:, 0]
             kmis += int((st.k_depths[0].to(plan.kdep.device) != plan.kdep[bi]).sum())
             vmis += int((st.v_depths[0].to(plan.vdep.device) != plan.vdep[bi, :, :t].long()).sum())
-            if reader.refine:
-                rmis += int((st.extra["k_refined"][:, 0, :t] != reader.refined(plan)[bi, :, :t]).sum())
+            if refined is not None:
+                rmis += int((st.extra["k_refined"][:, 0, :t] != refined[bi, :, :t]).sum())
         errs.append(float((out[bi] - ref).norm() / ref.norm()))
     res = {"rel_err": max(errs), "k_depth_mismatch": kmis, "v_depth_mismatch": vmis, "checked_seqs": len(errs)}
-    if reader.refine:
+    if refined is not None:
         res["refined_mismatch"] = rmis
-        res["refined_fraction"] = float(reader.refined(plan).sum()) / float(s.lengths.sum() * plan.rcnt.shape[1])
+        res["refined_fraction"] = float(refined.sum()) / float(s.lengths.sum() * plan.rcnt.shape[1])
     return res
 
 

@@ -131,6 +131,28 @@ def _group_of(pid_bh, HKV: tl.constexpr, HG: tl.constexpr):
     return b * (HKV // HG) + h // HG, h % HG
 
 
+@triton.jit
+def _block_prog(len_ptr, HKV: tl.constexpr, HG: tl.constexpr):
+    """Program (b*Hkv + h, block): (b*Hkv + h, block, sequence b, allocation group, head index in the
+    group, the sequence's length)."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = pid_bh // HKV
+    grp, hl = _group_of(pid_bh, HKV, HG)
+    return pid_bh, blk, b, grp, hl, _load_scalar(len_ptr + b)
+
+
+@triton.jit
+def _radix_digit(key, PASS: tl.constexpr):
+    """Radix pass PASS reads bits [SH, SH + width) of a 31-bit key (4 bits, the last pass what is
+    left): (the bits above them, where the prefix chosen by earlier passes sits; the digit)."""
+    SH: tl.constexpr = max(31 - RBITS * PASS, 0)
+    SH_PREV: tl.constexpr = 31 - RBITS * (PASS - 1)
+    WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
+    MASK: tl.constexpr = (NBINS - 1) >> (RBITS - WIDTH)
+    return key >> SH_PREV, (key >> SH) & MASK
+
+
 # ----------------------------------------------------------------------------- decoding helpers
 
 
@@ -564,12 +586,8 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
                 HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr):
     """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1 (TWO_PASS: instead,
     the group's 2048-bin histogram of the importances' top 11 bits, one atomic add per token)."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = pid_bh // HKV
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     h = pid_bh % HKV
-    grp, _ = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     if blk * BLK < T:
         mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
         pos = blk * BLK + tl.arange(0, BLK)
@@ -597,11 +615,7 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
                  PACKET: tl.constexpr, GATED: tl.constexpr):
     """Radix pass PASS (2..NPASS; 1 as well when GATED) over the keys that match the digits chosen
     so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = pid_bh // HKV
-    grp, _ = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     run = blk * BLK < T
     if GATED:
         run = run & (_load_scalar(cmeta_ptr + grp * CMETA + 4) != 0)
@@ -615,13 +629,8 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
         pos = blk * BLK + tl.arange(0, BLK)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
         key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-        # pass p reads bits [SH, SH + width) (the last pass what is left); the prefix sits above them
-        SH: tl.constexpr = max(31 - RBITS * PASS, 0)
-        SH_PREV: tl.constexpr = 31 - RBITS * (PASS - 1)
-        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
-        MASK: tl.constexpr = (NBINS - 1) >> (RBITS - WIDTH)
-        match = (key >> SH_PREV) == prefix
-        digit = (key >> SH) & MASK
+        above, digit = _radix_digit(key, PASS)
+        match = above == prefix
         msk = kok[:, None] & (pos[None, :] < T) & match & (count > 0)
         # after the first digits most blocks hold no key under the chosen prefix: they skip the
         # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance
@@ -636,12 +645,8 @@ def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_
                 HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
                 KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
     """Keys equal to lambda in this block, per step: tie[group, hl * NBLK + blk, k]."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     lam = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1))
     lam = tl.where(count > 0, lam, 0x7FFFFFFF)
@@ -790,13 +795,9 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
     each plane byte once (8 channels) into byte j of an int64 and bit-transposes it, giving the
     codes of channels 8b + k for k < 8 (one MMA accumulator per k); otherwise bit-serial, one byte
     load per element."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
     h = pid_bh % HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     if FIXED_V == 0:
         lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
                                          D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
@@ -856,13 +857,9 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     tiles hold tokens of (nearly) one depth, so a tile reads the planes its tokens need rather than
     those of its deepest token. Decoding per tile as in :func:`_value_stage`, with a page per
     token. The reader uses it where it measured faster (``TritonReader.compact_values``)."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
     h = pid_bh % HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
                           BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
     # compaction: deepest first, depth-0 and padding tokens last (key 0x7FFF)
@@ -932,12 +929,8 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
     in position order (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many), for
     the compacting FMA Value stage. A kernel of its own: the depths' tie ranks over the whole block
     need many registers, which would otherwise cap the occupancy of the Value stage's loop."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
                           BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
     # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread
@@ -964,13 +957,9 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     reduced over the tile's tokens once per program. With COMPACT the tiles walk only the block's
     depth > 0 tokens, as :func:`_value_order` listed them, so depth-0 tokens cost nothing;
     otherwise positions in order (depth-0 tokens' loads are masked off)."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
     h = pid_bh % HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     NCODE: tl.constexpr = 1 << W
     NB8: tl.constexpr = D // 8
     obase = vord_ptr + pid_bh * TMAX + blk * BLK

@@ -282,6 +282,11 @@ class TritonReader:
         self._on(dev)
         r = self.refine
         tp = self._two_pass(batch * hk * max_tokens)
+
+        def opt(on: bool, *shape: int, **kw) -> torch.Tensor:
+            """A stage's buffer, or a one-element placeholder when the stage is off."""
+            return torch.zeros(*(shape if on else (1,) * len(shape)), **kw)
+
         return Plan(
             batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
             qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
@@ -300,15 +305,15 @@ class TritonReader:
             ties=torch.zeros(groups, self.hg * n_blocks, self.kspad_v, dtype=torch.int32, device=dev),
             part=torch.empty(batch, hq, n_blocks, d, **f32), out_t=torch.empty(batch, hq, d, **f32),
             out=torch.empty(batch, hq, d, **f32),
-            rhist=torch.zeros(groups if r else 1, self._rhw if r else 1, **i32),
-            rsel=torch.zeros(groups if r else 1, RSEL_STRIDE, dtype=torch.int64, device=dev),
-            rtie=torch.zeros(groups if r else 1, self.hg * n_blocks if r else 1, **i32),
-            rcnt=torch.zeros(batch if r else 1, hk if r else 1, n_blocks if r else 1, **i32),
-            rord=torch.zeros(batch if r else 1, hk if r else 1, max_tokens if r else 1, dtype=torch.int16, device=dev),
-            rcost=torch.zeros(batch * hk if r else 1, **i32),
-            two_pass=tp, ihist=torch.zeros(groups if tp else 1, IH_STRIDE if tp else 1, **i32),
-            cmeta=torch.zeros(groups if tp else 1, CMETA_WORDS, **i32),
-            cand=torch.zeros(groups if tp else 1, self._cap(max_tokens) if tp else 1, **i32),
+            rhist=opt(r, groups, self._rhw, **i32),
+            rsel=opt(r, groups, RSEL_STRIDE, dtype=torch.int64, device=dev),
+            rtie=opt(r, groups, self.hg * n_blocks, **i32),
+            rcnt=opt(r, batch, hk, n_blocks, **i32),
+            rord=opt(r, batch, hk, max_tokens, dtype=torch.int16, device=dev),
+            rcost=opt(r, batch * hk, **i32),
+            two_pass=tp, ihist=opt(tp, groups, IH_STRIDE, **i32),
+            cmeta=opt(tp, groups, CMETA_WORDS, **i32),
+            cand=opt(tp, groups, self._cap(max_tokens), **i32),
         )
 
     def _two_pass(self, tokens: int) -> bool:

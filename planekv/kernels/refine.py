@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import NBINS, NPASS, RBITS, _group_of, _load_scalar, _probs, _softmax_stats
+from .decode import NBINS, NPASS, RBITS, _block_prog, _load_scalar, _probs, _radix_digit, _softmax_stats
 
 # int64 words per group in the selection buffer: per pass, the prefix chosen so far and the bits
 # still to spend among the keys matching it
@@ -45,17 +45,13 @@ def _refine_score(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, qt_ptr, sig_ptr, kde
                   W: tl.constexpr, BLK: tl.constexpr):
     """Program (b*Hkv + h, block): refinement keys of BLK tokens (-1: not a candidate) and radix
     pass 1 into this head's histogram; block 0 stores the head's cost per token."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = pid_bh // HKV
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     h = pid_bh % HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     cc = tl.arange(0, D)
     tdep = tl.load(kdep_ptr + pid_bh * D + cc)
     cost = tl.sum(W - tdep, 0)
     if blk == 0:
-        tl.store(rcost_ptr + pid_bh + tl.arange(0, 1), cost + tl.zeros([1], tl.int32))
+        tl.store(rcost_ptr + pid_bh, cost)
     if blk * BLK < T:
         gg = tl.arange(0, G2)
         qt = tl.load(qt_ptr + (b * HQ + h * G + gg[:, None]) * D + cc[None, :], mask=gg[:, None] < G, other=0.0)
@@ -114,30 +110,23 @@ def _refine_select(rhist_ptr, rsel_ptr, rcost_ptr, len_ptr, BKR, PASS: tl.conste
     WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
     new = tl.where(pref < 0, pref, tl.where(dsel < 0, -1, (pref << WIDTH) | dsel.to(tl.int64)))
     rem = tl.where(new < 0, rem, rem - above)
-    tl.store(sbase + 2 * (PASS - 1) + tl.arange(0, 1), new + tl.zeros([1], tl.int64))
-    tl.store(sbase + 2 * (PASS - 1) + 1 + tl.arange(0, 1), rem + tl.zeros([1], tl.int64))
+    tl.store(sbase + 2 * (PASS - 1), new)
+    tl.store(sbase + 2 * (PASS - 1) + 1, rem)
 
 
 @triton.jit
 def _refine_radix(rkey_ptr, len_ptr, rsel_ptr, rhist_ptr, TMAX, PASS: tl.constexpr, HKV: tl.constexpr,
                   HG: tl.constexpr, HG_PAD: tl.constexpr, BLK: tl.constexpr):
     """Radix pass PASS (2..NPASS) over this block's keys that match the prefix chosen so far."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = pid_bh // HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     pref = _load_scalar(rsel_ptr + grp * RSEL + 2 * (PASS - 2))
     if (blk * BLK < T) & (pref >= 0):
         pos = blk * BLK + tl.arange(0, BLK)
         key = tl.load(rkey_ptr + pid_bh * TMAX + pos, mask=pos < T, other=-1)
-        SH: tl.constexpr = max(31 - RBITS * PASS, 0)
-        SH_PREV: tl.constexpr = 31 - RBITS * (PASS - 1)
-        WIDTH: tl.constexpr = min(RBITS, 31 - RBITS * (PASS - 1))
-        MASK: tl.constexpr = (NBINS - 1) >> (RBITS - WIDTH)
-        match = (key >= 0) & ((key >> SH_PREV).to(tl.int64) == pref)
+        above, digit = _radix_digit(key, PASS)
+        match = (key >= 0) & (above.to(tl.int64) == pref)
         if tl.sum(match.to(tl.int32), 0) > 0:
-            hist = tl.histogram(tl.where(match, (key >> SH) & MASK, 0), NBINS, mask=match)
+            hist = tl.histogram(tl.where(match, digit, 0), NBINS, mask=match)
             bins = tl.arange(0, NBINS)
             tl.atomic_add(rhist_ptr + ((grp * HG_PAD + hl) * NPASS + PASS - 1) * NBINS + bins, hist, mask=hist > 0)
 
@@ -146,18 +135,13 @@ def _refine_radix(rkey_ptr, len_ptr, rsel_ptr, rhist_ptr, TMAX, PASS: tl.constex
 def _refine_ties(rkey_ptr, len_ptr, rsel_ptr, rtie_ptr, TMAX, HKV: tl.constexpr, HG: tl.constexpr,
                  BLK: tl.constexpr):
     """Keys equal to lambda in this block: rtie[group, hl * NBLK + blk]."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     lam = _load_scalar(rsel_ptr + grp * RSEL + 2 * (NPASS - 1))
     pos = blk * BLK + tl.arange(0, BLK)
     key = tl.load(rkey_ptr + pid_bh * TMAX + pos, mask=pos < T, other=-1)
     eq = (key >= 0) & (key.to(tl.int64) == lam)
-    tl.store(rtie_ptr + (grp * HG + hl) * NBLK + blk + tl.arange(0, 1),
-             tl.sum(eq.to(tl.int32), 0) + tl.zeros([1], tl.int32))
+    tl.store(rtie_ptr + (grp * HG + hl) * NBLK + blk, tl.sum(eq.to(tl.int32), 0))
 
 
 @triton.jit
@@ -166,12 +150,8 @@ def _refine_order(rkey_ptr, len_ptr, rsel_ptr, rtie_ptr, rcost_ptr, rord_ptr, rc
     """The block's chosen tokens in position order (``rord``: position in the block, int16) and how
     many (``rcnt``): keys above lambda, and ties at lambda while the bits left last, in (head,
     position) order."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
-    grp, hl = _group_of(pid_bh, HKV, HG)
-    T = _load_scalar(len_ptr + b)
     sbase = rsel_ptr + grp * RSEL + 2 * (NPASS - 1)
     lam = _load_scalar(sbase)
     rem = _load_scalar(sbase + 1)
@@ -193,7 +173,7 @@ def _refine_order(rkey_ptr, len_ptr, rsel_ptr, rtie_ptr, rcost_ptr, rord_ptr, rc
     take = valid & ((lam < 0) | (key.to(tl.int64) > lam) | (eq & (spent <= rem)))
     slot = tl.cumsum(take.to(tl.int32), 0) - 1
     tl.store(rord_ptr + pid_bh * TMAX + blk * BLK + slot, lp.to(tl.int16), mask=take)
-    tl.store(rcnt_ptr + pid_bh * NBLK + blk + tl.arange(0, 1), tl.sum(take.to(tl.int32), 0) + tl.zeros([1], tl.int32))
+    tl.store(rcnt_ptr + pid_bh * NBLK + blk, tl.sum(take.to(tl.int32), 0))
 
 
 @triton.jit
