@@ -159,13 +159,15 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             hgp = 1 << max(0, (hg - 1).bit_length())
             kspk = 1 << max(0, (ks_k - 1).bit_length())
             kspv = 1 << max(0, (ks_v - 1).bit_length())
-            if want(K._prep):
-                compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16", wlo_ptr="*fp16",
-                                          base_ptr=PI, kdep_ptr=P32, kord_ptr=P32, kcnt_ptr=P32, hist_ptr=P32,
-                                          count_k="i32", rhist_ptr=P32, ihist_ptr=P32),
-                            dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
-                                 RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed),
-                            num_warps=4, sass_dir=sd, tag=t)
+            for korder in (0, 1):  # the Key channel list by depth segments / in channel order
+                if want(K._prep):
+                    compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16",
+                                              wlo_ptr="*fp16", wf_ptr=PI, base_ptr=PI, kdep_ptr=P32, kord_ptr=P32,
+                                              kcnt_ptr=P32, hist_ptr=P32, count_k="i32", rhist_ptr=P32,
+                                              ihist_ptr=P32),
+                                dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
+                                     RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed, KORDER=korder),
+                                num_warps=4, sass_dir=sd, tag=f"{t}-k{korder}")
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
                                                wlo_ptr="*fp16", base_ptr=PI, tab_ptr=P32, spread_ptr="*i64",
@@ -180,11 +182,14 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   SLOTS="i32", TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
                             sass_dir=sd, tag=t)
-            if name != "cons" and want(K._key_stage_f):
-                compile_one(K._key_stage_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kord_ptr=P32, kcnt_ptr=P32,
-                                                 qt_ptr=PI, sig_ptr=PI, base_ptr=PI, tabf_ptr=PI, logit_ptr=PI,
-                                                 mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32", TMAX="i32"),
-                            dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=16), num_warps=nw, sass_dir=sd, tag=t)
+            for kloop in (0, 1):
+                if name != "cons" and want(K._key_stage_f):
+                    compile_one(K._key_stage_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kord_ptr=P32, kcnt_ptr=P32,
+                                                     wf_ptr=PI, base_ptr=PI, tabf_ptr=PI, logit_ptr=PI,
+                                                     mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32",
+                                                     TMAX="i32"),
+                                dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=16, KLOOP=kloop), num_warps=nw,
+                                sass_dir=sd, tag=f"{t}-k{kloop}")
             vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
             if not fixed:  # the Key-refinement stage (both readers)
                 compile_refine(hq, hk, hg, hgp, g, g2, d, radix_passes, nw, sd, t, want)
@@ -198,15 +203,16 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                          KS_PAD=kspv, HEAD_WEIGHT=True, TWO_PASS=two_pass),
                                     num_warps=nw, sass_dir=sd, tag=t + ("-2pass" if two_pass else ""))
                 for pas in radix_passes:
-                    if want(K._value_radix):
-                        compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32,
-                                                         cmeta_ptr=P32, TMAX="i32", RATE="fp64", BK="i32",
-                                                         BV_FIXED="i32"),
-                                    dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=True, **vc), num_warps=nw,
-                                    sass_dir=sd, tag=f"{t}p{pas}")
+                    for gated in (False, True):
+                        if want(K._value_radix):
+                            compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32,
+                                                             cmeta_ptr=P32, TMAX="i32", RATE="fp64", BK="i32",
+                                                             BV_FIXED="i32", NBLK="i32"),
+                                        dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=gated, **vc),
+                                        num_warps=nw, sass_dir=sd, tag=f"{t}p{pas}" + ("g" if gated else ""))
                 if want(K._value_radix):  # the gated pass 1 (two-pass allocation's fall back)
                     compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, cmeta_ptr=P32,
-                                                     TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
+                                                     TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32", NBLK="i32"),
                                 dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, **vc), num_warps=nw,
                                 sass_dir=sd, tag=f"{t}p1")
                 compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)

@@ -4,12 +4,12 @@ The Value keys of a group are ``imp_i x r_k`` (KS fixed step gains ``r_k`` per t
 the count-th largest of them (``_v_count``). The radix select in ``decode`` finds it with 8 passes
 of 4 bits. Here (docs/KERNEL_NOTES.md, runs 33-34):
 
-  _value_hist (TWO_PASS)  grid (B*Hkv, NBLK)  importances, and a 2048-bin histogram of their top 11
-                                             bits per group (one atomic add per token)
-  _v_bracket              grid (groups,)     suffix sums; by bisection the bracket (lo, hi] that
-                                             surely holds lambda: bounds on #{keys > x} at bin edges,
-                                             a bin of margin below and two above for the rounding of
-                                             the float32 product
+  _value_hist (TWO_PASS)  grid (B*Hkv, NBLK)  importances, and an 8192-bin histogram of their top 13
+                                             bits per head (one atomic add per token)
+  _v_bracket              grid (groups,)     the heads' histograms summed, suffix sums; by bisection
+                                             the bracket (lo, hi] that surely holds lambda: bounds
+                                             on #{keys > x} at bin edges, a bin of margin below and
+                                             two above for the rounding of the float32 product
   _v_cand                 grid (B*Hkv, NBLK) keys above hi counted, keys in (lo, hi] appended to the
                                              group's candidate buffer (CAP keys)
   _v_exact                grid (groups,)     lambda and the ties still to take, from the candidates,
@@ -31,12 +31,11 @@ from .decode import (
     HSTRIDE,
     IHBINS,
     IHSHIFT,
-    IHSTRIDE,
     NPASS,
     SELBASE,
     _block_prog,
-    _keys,
     _load_scalar,
+    _steps_above,
     _v_count,
 )
 
@@ -60,12 +59,14 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
     b = grp // (HKV // HG)
     T = _load_scalar(len_ptr + b)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    base = ihist_ptr + grp * IHSTRIDE
+    base = ihist_ptr + grp * (HG + 1) * IHBINS
     bb = tl.arange(0, IHBINS)
     h = tl.load(base + bb)
-    tl.store(base + IHBINS + bb, tl.sum(h, 0) - tl.cumsum(h, 0) + h)  # #{imp in bins >= b}
+    for hl in tl.static_range(1, HG):  # the group's heads counted apart (less contention on the bins)
+        h += tl.load(base + hl * IHBINS + bb)
+    above_ptr = base + HG * IHBINS
+    tl.store(above_ptr + bb, tl.sum(h, 0) - tl.cumsum(h, 0) + h)  # #{imp in bins >= b}
     tl.debug_barrier()
-    above_ptr = base + IHBINS
     kk = tl.arange(0, KS_PAD)
     kok = kk < KS
     r = tl.load(r_ptr + kk, mask=kok, other=1.0)
@@ -98,7 +99,11 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
 def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FIXED, CAP, USE_RATE: tl.constexpr,
             HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
             KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
-    """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP)."""
+    """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP).
+
+    A token's keys do not increase with the step (``_steps_above``), so its candidates are the
+    steps n_hi .. n_lo - 1: everything is per token (KS products each, one prefix sum over the
+    block), not per (step, token) pair."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     if (blk * BLK < T) & (count > 0):
@@ -106,18 +111,24 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
         lo = _load_scalar(meta)
         hi = _load_scalar(meta + 1)
         pos = blk * BLK + tl.arange(0, BLK)
-        bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
-        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-        valid = kok[:, None] & (pos[None, :] < T)
-        n_above = tl.sum(tl.sum((valid & (key > hi)).to(tl.int32), 1), 0)
-        cand = tl.reshape(valid & (key > lo) & (key <= hi), [KS_PAD * BLK])
-        n = tl.sum(cand.to(tl.int32), 0)
+        valid = pos < T
+        bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+        n_hi, n_lo = _steps_above(bimp, r_ptr, hi, lo, KS)
+        n_hi = tl.where(valid, n_hi, 0)
+        nc = tl.where(valid, n_lo, 0) - n_hi  # this token's candidates
+        n_above = tl.sum(n_hi, 0)
+        n = tl.sum(nc, 0)
         if n_above > 0:
-            tl.atomic_add(meta + 3, n_above)
+            tl.atomic_add(meta + 3, n_above, sem="relaxed")
         if n > 0:
-            off = tl.atomic_add(meta + 2, n)
-            slot = off + tl.cumsum(cand.to(tl.int32), 0) - 1
-            tl.store(cand_ptr + grp * CAP + slot, tl.reshape(key, [KS_PAD * BLK]), mask=cand & (slot < CAP))
+            off = tl.atomic_add(meta + 2, n, sem="relaxed")
+            slot = off + tl.cumsum(nc, 0) - nc
+            c_max = tl.max(nc, 0)
+            for j in tl.static_range(KS):
+                if j < c_max:
+                    kj = tl.minimum(n_hi + j, KS - 1)
+                    key = (bimp * tl.load(r_ptr + kj)).to(tl.int32, bitcast=True)
+                    tl.store(cand_ptr + grp * CAP + slot + j, key, mask=(j < nc) & (slot + j < CAP))
 
 
 @triton.jit

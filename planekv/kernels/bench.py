@@ -219,9 +219,18 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
         ws = logits * 2  # written by the Key stage, read by the Value stage
     else:
         # logits: written, read by the importance pass and the Value stage; importance: written, read
-        # by radix passes 2..NPASS, the tie count and the Value stage; Value depths written
+        # by radix passes 2..NPASS, the tie count and the Value stage (compaction); Value depths written
         vimp_reads = NPASS.value - 1 + 2
-        ws = logits * 2 + 4.0 * hk * n * (1 + vimp_reads) + 1.0 * hk * n
+        if plan.two_pass:
+            # two-pass: the candidates pass, the ties and the compaction read it; the gated radix
+            # passes (all NPASS) only in the groups whose candidates overflowed; one histogram
+            # read-modify-write (8 bytes) per token; the candidates written and read once
+            over = float(plan.cmeta[:, 4].double().mean())
+            vimp_reads = 3 + NPASS.value * over
+            ws_alloc = 8.0 * hk * n + 8.0 * float(plan.cmeta[:, 2].clamp(max=plan.cand.shape[1]).double().sum())
+        else:
+            ws_alloc = 0.0
+        ws = logits * 2 + 4.0 * hk * n * (1 + vimp_reads) + 1.0 * hk * n + ws_alloc
         if reader.compact_values:
             # the Value stage reads the logits of depth > 0 tokens only: every 32-byte sector (8
             # tokens) of a query head's row holding one; and writes and reads a 2-byte key per token
@@ -261,7 +270,8 @@ def _refine_sector_bytes(refined: torch.Tensor, kdep: torch.Tensor, lengths: tor
 def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps: int = 30, check: bool = True,
               k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str | None = None,
               compact_values: bool | None = None, pages_per_program: int | None = None,
-              progress: Callable[[str], None] | None = None, value_alloc: str | None = None) -> list[Row]:
+              progress: Callable[[str], None] | None = None, value_alloc: str | None = None,
+              timeline: bool = False, alloc_warps: int = 8) -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -287,7 +297,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         for system in systems:
             try:
                 row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly,
-                           compact_values, pages_per_program, value_alloc)
+                           compact_values, pages_per_program, value_alloc, timeline, alloc_warps)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -298,7 +308,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
             rows.append(row)
             say(f"{name} / {system}: {row.median_ms:.4f} ms, x{row.ratio_to_sdpa or float('nan'):.3f} SDPA, "
                 f"{row.logical_bits_per_scalar:.2f} bits, phys/logical {row.physical_over_logical:.2f}, "
-                f"{row.bandwidth_tbs:.2f} TB/s {row.check}")
+                f"{row.bandwidth_tbs:.2f} TB/s {({k: v for k, v in row.check.items() if k != 'timeline'})}")
         del sets
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -308,7 +318,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
          scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str | None = None,
          compact_values: bool | None = None, pages_per_program: int | None = None,
-         value_alloc: str | None = None) -> Row:
+         value_alloc: str | None = None, timeline: bool = False, alloc_warps: int = 8) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -317,6 +327,8 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         steps = [lambda s=s, q=q: torch.nn.functional.scaled_dot_product_attention(q, s.k, s.v, enable_gqa=True)
                  for s, q in zip(sets, qs, strict=False)]
         ms = _time_graphs(steps, reps)
+        if dev.type == "cuda" and timeline:
+            info["timeline"] = _timeline_or_error(steps[0])
         return Row(shape.name, system, ms, None, 16.0, bytes_fp16, bytes_fp16 + 2.0 * b * hq * d * 2, 1.0,
                    (bytes_fp16 + 4.0 * b * hq * d) / ms / 1e9, info)
     if system == "fp8":
@@ -342,7 +354,7 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         if pol is None:
             raise ValueError(f"unknown system {system}")
         reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values,
-                              value_alloc=value_alloc)
+                              value_alloc=value_alloc, alloc_warps=alloc_warps)
     plan = reader.plan(b, t, dev, pages_per_program=pages_per_program)
     s0 = sets[0]
     if check:
@@ -350,8 +362,8 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
     steps = [lambda s=s: reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0)
              for s in sets]
     ms = _time_graphs(steps, reps)
-    if dev.type == "cuda":
-        info["stages_ms"] = _stage_times(reader, plan, s0, reps=10)
+    if dev.type == "cuda" and timeline:
+        info["timeline"] = _timeline_or_error(steps[0])
     reader.run(plan, s0.q, s0.cache.k_pool[0], s0.cache.v_pool[0], s0.page_table, s0.lengths, 0)
     _sync(dev)
     st = reader.stats(plan, s0.lengths)
@@ -361,16 +373,43 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
                phys / (logical_bits / 8), phys / ms / 1e9, info)
 
 
-def _stage_times(reader: TritonReader, plan: Plan, s: _Data, reps: int) -> dict[str, float]:
-    """Median time of each launch of the step (CUDA events between launches, no graph)."""
-    per: dict[str, list[float]] = {}
-    for _ in range(reps):
-        marks: list = []
-        reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0, marks=marks)
+def _timeline_or_error(step: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return _timeline(step)
+    except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the row
+        log.exception("timeline failed")
+        return {"error": f"{type(exc).__name__}: {exc}", "kernels_us": {}, "kernel_sum_us": 0.0, "graph_us": 0.0}
+
+
+def _timeline(step: Callable[[], Any], reps: int = 20) -> dict[str, Any]:
+    """Per-kernel GPU time of one step replayed as a CUDA graph, from the profiler's kernel records:
+    {kernel: [launches per step, microseconds per step]}, their sum, and the graph's wall time per
+    replay (the difference is launch gaps and tails between dependent kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gr = torch.cuda.CUDAGraph()
+    step()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(gr):
+        step()
+    gr.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e0.record()
+        for _ in range(reps):
+            gr.replay()
+        e1.record()
         torch.cuda.synchronize()
-        for (_, e0), (name, e1) in zip(marks[:-1], marks[1:], strict=False):
-            per.setdefault(name, []).append(e0.elapsed_time(e1))
-    return {k: round(statistics.median(v), 4) for k, v in per.items()}
+    per: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            name = ev.name.split("(")[0]
+            per.setdefault(name, []).append(ev.device_time_total)
+    kernels = {k: [round(len(v) / reps, 2), round(sum(v) / reps, 2)] for k, v in
+               sorted(per.items(), key=lambda kv: -sum(kv[1]))}
+    return {"kernels_us": kernels, "kernel_sum_us": round(sum(v[1] for v in kernels.values()), 1),
+            "graph_us": round(1e3 * e0.elapsed_time(e1) / reps, 1)}
 
 
 def _check(reader: TritonReader, plan: Plan, s: _Data, codec: Codec, n_seq: int = 2) -> dict[str, Any]:
@@ -415,8 +454,21 @@ def format_table(rows: list[Row]) -> str:
             "|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        chk = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.check.items())
+        chk = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.check.items()
+                        if k != "timeline")
         ratio = "" if r.ratio_to_sdpa is None else f"{r.ratio_to_sdpa:.3f}"
         lines.append(f"| {r.shape} | {r.system} | {r.median_ms:.4f} | {ratio} | {r.logical_bits_per_scalar:.2f} | "
                      f"{r.physical_over_logical:.2f} | {r.bandwidth_tbs:.2f} | {chk} |")
     return head + "\n".join(lines)
+
+
+def format_timeline(rows: list[Row]) -> str:
+    """Per-kernel GPU time of each profiled row (``--timeline``), largest first."""
+    out = []
+    for r in rows:
+        tl = r.check.get("timeline")
+        if not tl:
+            continue
+        out.append(f"{r.shape} / {r.system}: graph {tl['graph_us']} us per step, kernels {tl['kernel_sum_us']} us")
+        out.extend(f"    {us:9.2f} us  x{n:<5g} {name}" for name, (n, us) in tl["kernels_us"].items())
+    return "\n".join(out)

@@ -12,7 +12,7 @@ from rich.console import Console
 def _bench_attention(args: argparse.Namespace) -> int:
     import torch
 
-    from .bench import SHAPES, SYSTEMS, format_table, rows_to_json, run_bench
+    from .bench import SHAPES, SYSTEMS, format_table, format_timeline, rows_to_json, run_bench
 
     console = Console(width=max(140, Console().width))
     shapes = args.shapes or list(SHAPES)
@@ -21,9 +21,12 @@ def _bench_attention(args: argparse.Namespace) -> int:
                      pages_per_program=args.pages_per_program,
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      value_alloc=None if args.value_alloc == "auto" else args.value_alloc,
+                     timeline=args.timeline, alloc_warps=args.alloc_warps,
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
+    if args.timeline:
+        console.print(format_timeline(rows))
     if args.json:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
         meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": dev,
@@ -57,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",
                    help="Value stage over the depth > 0 tokens sorted by depth (on), every 32-token tile (off), "
                         "or the reader's measured choice (auto)")
+    a.add_argument("--alloc-warps", type=int, default=8, choices=(1, 2, 4, 8, 16),
+                   help="warps per program of the Value allocation's per-block kernels")
+    a.add_argument("--timeline", action="store_true",
+                   help="also profile one graph replay per system: GPU time per kernel (torch.profiler)")
     a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")
     a.add_argument("--json", help="write rows and metadata here")
     a.set_defaults(func=_bench_attention)

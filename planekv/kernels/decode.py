@@ -45,12 +45,14 @@ NPASS = tl.constexpr(8)
 HSTRIDE = tl.constexpr(16 * 8 + 2 * 8)
 SELBASE = tl.constexpr(16 * 8)
 HIST_STRIDE = 16 * 8 + 2 * 8
-# two-pass Value allocation (planekv.kernels.alloc2): per group a 2048-bin histogram of the
-# importances' top 11 bits (exponent and 3 mantissa bits) and its suffix sums; 8 words of state
-IHSHIFT = tl.constexpr(20)
-IHBINS = tl.constexpr(2048)
-IHSTRIDE = tl.constexpr(4096)
-IH_STRIDE = 4096
+# two-pass Value allocation (planekv.kernels.alloc2): per head an 8192-bin histogram of the
+# importances' top 13 bits (exponent and 5 mantissa bits), per group their summed suffix sums; 8 words
+# of state
+IHSHIFT = tl.constexpr(18)
+IHBINS = tl.constexpr(8192)
+IH_BINS = 8192
+KSEG = tl.constexpr(16)  # words per KV head of the Key stage's channel-list segments (>= W + 1)
+KSEG_WORDS = 16
 CMETA = tl.constexpr(8)
 CMETA_WORDS = 8
 
@@ -183,10 +185,11 @@ def _split16(x):
 
 
 @triton.jit
-def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr, count_k,
+def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr,
+          count_k,
           rhist_ptr, ihist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
           D: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr,
-          RHW: tl.constexpr, TWO_PASS: tl.constexpr):
+          RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
     refinement (RHW > 0 words of refinement histograms per group) those start at zero too."""
     pid = tl.program_id(0)
@@ -209,6 +212,8 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
         w_hi, w_lo = _split16(w)
         tl.store(whi_ptr + qrow, w_hi, mask=hvalid[:, None])
         tl.store(wlo_ptr + qrow, w_lo, mask=hvalid[:, None])
+        # float32, [B*Hkv, D, G]: a channel's G weights side by side for the FMA Key stage
+        tl.store(wf_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]) * G + g, w, mask=hvalid[:, None])
         tl.store(base_ptr + b * HQ + (h0 + hh) * G + g, tl.sum(qt * mu, 1), mask=hvalid)
     af = tl.reshape(a, [N])
     valid = tl.reshape(hvalid[:, None] & (cc[None, :] >= 0), [N])
@@ -235,12 +240,23 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
     dep2 = tl.reshape(depth, [HG_PAD, D])
     tl.store(kdep_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]), dep2, mask=hvalid[:, None])
     # each head's channels of depth > 0 as a list (depth << 8 | channel) and its length, for the
-    # FMA Key stage, which walks that list only
+    # FMA Key stage, which walks that list only, one segment per depth (deepest first), so that each
+    # segment's loop reads exactly t planes with no masks (KSEG words per head: [0] the list's
+    # length, [t] how many channels have depth t)
     act = dep2 > 0
-    slot = tl.cumsum(act.to(tl.int32), 1) - 1
+    slot = tl.cumsum(act.to(tl.int32), 1) - 1  # KORDER 1: channel order
+    tt = tl.arange(0, KSEG)
+    seg = tl.zeros([HG_PAD, KSEG], dtype=tl.int32)
+    for t in tl.static_range(1, MIN_K + KS + 1):  # depths up to W = MIN_K + KS
+        eq = dep2 == t
+        if KORDER == 0:  # by depth, deepest first
+            n_gt = tl.sum((dep2 > t).to(tl.int32), 1)
+            slot = tl.where(eq, n_gt[:, None] + tl.cumsum(eq.to(tl.int32), 1) - 1, slot)
+        seg = tl.where(tt[None, :] == t, tl.sum(eq.to(tl.int32), 1)[:, None], seg)
+    seg = tl.where(tt[None, :] == 0, tl.sum(act.to(tl.int32), 1)[:, None], seg)
     tl.store(kord_ptr + (b * HKV + h0 + hh[:, None]) * D + slot, (dep2 << 8) | cc[None, :],
              mask=hvalid[:, None] & act)
-    tl.store(kcnt_ptr + b * HKV + h0 + hh, tl.sum(act.to(tl.int32), 1), mask=hvalid)
+    tl.store(kcnt_ptr + (b * HKV + h0 + hh[:, None]) * KSEG + tt[None, :], seg, mask=hvalid[:, None])
     # this group's radix histograms start at zero every step
     zi = tl.arange(0, NBINS * NPASS)
     tl.store(hist_ptr + pid * HSTRIDE + zi, tl.zeros([NBINS * NPASS], tl.int32))
@@ -249,7 +265,8 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, base_ptr, kdep_ptr, 
         tl.store(rhist_ptr + pid * RHW + zr, tl.zeros([RHW], tl.int32))
     if TWO_PASS:  # the two-pass Value allocation's importance histogram
         zb = tl.arange(0, IHBINS)
-        tl.store(ihist_ptr + pid * IHSTRIDE + zb, tl.zeros([IHBINS], tl.int32))
+        for hz in tl.static_range(HG):  # one histogram per head of the group (their sums: _v_bracket)
+            tl.store(ihist_ptr + (pid * (HG + 1) + hz) * IHBINS + zb, tl.zeros([IHBINS], tl.int32))
 
 
 # ----------------------------------------------------------------------------- Key stage
@@ -423,21 +440,37 @@ def _transpose8_32(lo, hi):
 
 
 @triton.jit
-def _plane_words(kb_ptr, rbase, ent, ok, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr):
-    """Plane bytes of channel ``ent & 0xFF`` below its depth ``ent >> 8``, for each row (8 tokens), as
-    two uint32 words (plane j in byte j of lo for j < 4, byte j - 4 of hi otherwise); the W loads are
-    masked, not branched, so they are all in flight at once."""
-    t = ent >> 8
-    p0 = kb_ptr + rbase + (ent & 0xFF) * NB
-    lo = tl.zeros(rbase.shape, dtype=tl.uint32)
-    hi = tl.zeros(rbase.shape, dtype=tl.uint32)
-    for j in tl.static_range(W):
-        bj = tl.load(p0 + j * (D * NB), mask=ok & (j < t), other=0).to(tl.uint32)
-        if j < 4:
-            lo = lo | (bj << (8 * j))
-        else:
-            hi = hi | (bj << (8 * (j - 4)))
-    return lo, hi
+def _transpose4_32(lo):
+    """:func:`_transpose8_32` of (lo, 0): four planes (bytes of lo) of 8 tokens -> the 8 tokens'
+    4-bit codes, in the same byte positions as the 8-plane transpose leaves them (13 operations)."""
+    t = (lo ^ (lo >> 7)) & 0x00AA00AA
+    lo = lo ^ t ^ (t << 7)
+    t = (lo ^ (lo >> 14)) & 0x0000CCCC
+    lo = lo ^ t ^ (t << 14)
+    t = lo & 0xF0F0F0F0
+    return lo ^ t, t >> 4
+
+
+@triton.jit
+def _fma_channel(z, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G: tl.constexpr):
+    """acc_g += z * w_g for the G query heads of a KV head; ``wp`` points at the channel's G weights
+    w = q~ sigma_K (contiguous, written by ``_prep``)."""
+    acc0 += z * _load_scalar(wp)
+    if G > 1:
+        acc1 += z * _load_scalar(wp + 1)
+    if G > 2:
+        acc2 += z * _load_scalar(wp + 2)
+    if G > 3:
+        acc3 += z * _load_scalar(wp + 3)
+    if G > 4:
+        acc4 += z * _load_scalar(wp + 4)
+    if G > 5:
+        acc5 += z * _load_scalar(wp + 5)
+    if G > 6:
+        acc6 += z * _load_scalar(wp + 6)
+    if G > 7:
+        acc7 += z * _load_scalar(wp + 7)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit
@@ -455,19 +488,63 @@ def _key_fma_out(acc, base_ptr, qrow, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos
 
 
 @triton.jit
-def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, qt_ptr, sig_ptr, base_ptr, tabf_ptr, logit_ptr,
+def _plane_words_u(kb_ptr, rbase, c, D: tl.constexpr, T: tl.constexpr, NB: tl.constexpr):
+    """Planes 0..T-1 of channel ``c`` for each row, unmasked (every listed channel of a segment has
+    depth T; rows past the sequence read page 0 and are dropped at the logits' store), as two uint32
+    words (plane j in byte j of lo for j < 4, byte j - 4 of hi otherwise)."""
+    p0 = kb_ptr + rbase + c * NB
+    lo = tl.zeros(rbase.shape, dtype=tl.uint32)
+    hi = tl.zeros(rbase.shape, dtype=tl.uint32)
+    for j in tl.static_range(T):
+        bj = tl.load(p0 + j * (D * NB)).to(tl.uint32)
+        if j < 4:
+            lo = lo | (bj << (8 * j))
+        else:
+            hi = hi | (bj << (8 * (j - 4)))
+    return lo, hi
+
+
+@triton.jit
+def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                 G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+    """The channels kord[start:end] of one depth T: per channel T plane loads per row (the next
+    channel's requested before this one's math; the last re-requests itself, an L1 hit), the bit
+    transpose (8x8, or 4x8 for T <= 4), 8 lookups in row T of ``tabf`` and 8 x G FMAs."""
+    NCODE: tl.constexpr = 1 << W
+    trow = tabf_ptr + T * NCODE
+    c = _load_scalar(lrow + start) & 0xFF
+    lo, hi = _plane_words_u(kb_ptr, rbase, c, D, T, NB)
+    for i in range(start, end):
+        c_n = _load_scalar(lrow + tl.minimum(i + 1, end - 1)) & 0xFF
+        lo_n, hi_n = _plane_words_u(kb_ptr, rbase, c_n, D, T, NB)
+        if T > 4:
+            lo, hi = _transpose8_32(lo, hi)
+        else:
+            lo, hi = _transpose4_32(lo)
+        z = tl.load(trow + _bytes8(lo, hi))  # [M, 8] float32
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
+            z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G)
+        lo = lo_n
+        hi = hi_n
+        c = c_n
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, tabf_ptr, logit_ptr,
                  mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                 P: tl.constexpr, PPK: tl.constexpr):
+                 P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr):
     """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
     (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
-    the list of the head's channels of depth t > 0 that ``_prep`` writes (kord: t << 8 | channel,
-    kcnt: its length), so depth-0 channels (their reconstruction, the mean, is in ``base``) cost
-    nothing. Per channel and row: t byte loads (plane j into byte j of an int64; the next channel's
-    loads are issued before this one's math), one 8x8 bit transpose (the 8 tokens' codes, plane j at
-    bit j), 8 lookups in the bit-reversed float32 table (``tabf``: 2^t entries in use, a few L1
-    lines) and 8 x G float32 FMAs with w = q~ sigma_K. No MMA, no operand shuffles, no hi/lo split;
-    float32 throughout, like the reference reader."""
+    the list of the head's channels of depth t > 0 that ``_prep`` writes (kord, in segments of one
+    depth, deepest first; kcnt: KSEG words per head, [t] the segment lengths), so depth-0 channels
+    (their reconstruction, the mean, is in ``base``) cost nothing, and each segment's loop is
+    specialized to its depth: per channel and row exactly t byte loads with no masks (plane j into
+    byte j of an int64), one bit transpose (8x8; 4x8 for t <= 4) giving the 8 tokens' codes (plane j
+    at bit j), 8 lookups in row t of the bit-reversed float32 table (``tabf``) and 8 x G float32 FMAs
+    with w = q~ sigma_K (``wf``, G contiguous weights per channel). No MMA, no operand shuffles, no
+    hi/lo split; float32 throughout, like the reference reader."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -476,7 +553,6 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, qt_ptr, sig_ptr, b
     n_pages = tl.cdiv(T, P)
     NB: tl.constexpr = P // 8
     M: tl.constexpr = PPK * NB
-    NCODE: tl.constexpr = 1 << W
     NSPLIT = tl.num_programs(1)
     mm = tl.arange(0, M)
     pg = split * PPK + mm // NB
@@ -493,36 +569,34 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, qt_ptr, sig_ptr, b
     acc5 = tl.zeros([M, 8], dtype=tl.float32)
     acc6 = tl.zeros([M, 8], dtype=tl.float32)
     acc7 = tl.zeros([M, 8], dtype=tl.float32)
-    n_act = _load_scalar(kcnt_ptr + pid_bh)
     lrow = kord_ptr + pid_bh * D
-    ent = _load_scalar(lrow)
-    lo, hi = _plane_words(kb_ptr, rbase, ent, pvalid & (n_act > 0), D, W, NB)
-    for i in range(n_act):
-        # software pipelining: the next channel's plane bytes are requested before this one's math
-        ent_n = _load_scalar(lrow + tl.minimum(i + 1, D - 1))
-        lo_n, hi_n = _plane_words(kb_ptr, rbase, ent_n, pvalid & (i + 1 < n_act), D, W, NB)
-        c = ent & 0xFF
-        lo, hi = _transpose8_32(lo, hi)
-        z = tl.load(tabf_ptr + (ent >> 8) * NCODE + _bytes8(lo, hi))  # [M, 8] float32
-        sg = _load_scalar(sig_ptr + h * D + c)
-        acc0 += z * (_load_scalar(qt_ptr + q0 * D + c) * sg)
-        if G > 1:
-            acc1 += z * (_load_scalar(qt_ptr + (q0 + 1) * D + c) * sg)
-        if G > 2:
-            acc2 += z * (_load_scalar(qt_ptr + (q0 + 2) * D + c) * sg)
-        if G > 3:
-            acc3 += z * (_load_scalar(qt_ptr + (q0 + 3) * D + c) * sg)
-        if G > 4:
-            acc4 += z * (_load_scalar(qt_ptr + (q0 + 4) * D + c) * sg)
-        if G > 5:
-            acc5 += z * (_load_scalar(qt_ptr + (q0 + 5) * D + c) * sg)
-        if G > 6:
-            acc6 += z * (_load_scalar(qt_ptr + (q0 + 6) * D + c) * sg)
-        if G > 7:
-            acc7 += z * (_load_scalar(qt_ptr + (q0 + 7) * D + c) * sg)
-        lo = lo_n
-        hi = hi_n
-        ent = ent_n
+    wrow = wf_ptr + pid_bh * D * G
+    segs = kcnt_ptr + pid_bh * KSEG
+    if KLOOP == 0:  # one loop per depth segment (kord by depth, deepest first)
+        start = _load_scalar(segs) * 0
+        for tt in tl.static_range(W):
+            n_t = _load_scalar(segs + W - tt)
+            if n_t > 0:
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment(
+                    kb_ptr, rbase, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3, acc4, acc5,
+                    acc6, acc7, G, D, W, NB, W - tt)
+            start += n_t
+    else:  # kord in channel order (neighbouring channels share L1 lines); a branch per depth
+        NCODE: tl.constexpr = 1 << W
+        for i in range(_load_scalar(segs)):
+            ent = _load_scalar(lrow + i)
+            c = ent & 0xFF
+            t = ent >> 8
+            for tt in tl.static_range(1, W + 1):
+                if t == tt:
+                    lo, hi = _plane_words_u(kb_ptr, rbase, c, D, tt, NB)
+                    if tt > 4:
+                        lo, hi = _transpose8_32(lo, hi)
+                    else:
+                        lo, hi = _transpose4_32(lo)
+                    z = tl.load(tabf_ptr + tt * NCODE + _bytes8(lo, hi))
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
+                        z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G)
     kk = _bytes8(tl.full([M], 0x03020100, tl.uint32), tl.full([M], 0x07060504, tl.uint32))  # [M, 8]: column index
     pos = (pg * P + byte * 8)[:, None] + kk
     sidx = q0 * NSPLIT + split
@@ -573,6 +647,21 @@ def _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ: tl.constexpr, G: tl.constex
 
 
 @triton.jit
+def _steps_above(bimp, r_ptr, x, y, KS: tl.constexpr):
+    """Per token: #{k : key_k > x} and #{k : key_k > y}, key_k = imp x r_k as float32 bits. The step
+    gains r_k do not increase with k (``step_gains``) and float32 rounding is monotone, so a token's
+    keys do not increase either and each count is a prefix of its steps: KS products per token, no
+    [steps, tokens] tensor."""
+    n_x = tl.zeros(bimp.shape, dtype=tl.int32)
+    n_y = tl.zeros(bimp.shape, dtype=tl.int32)
+    for k in tl.static_range(KS):
+        key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
+        n_x += (key > x).to(tl.int32)
+        n_y += (key > y).to(tl.int32)
+    return n_x, n_y
+
+
+@triton.jit
 def _keys(bimp, r_ptr, KS: tl.constexpr, KS_PAD: tl.constexpr):
     kk = tl.arange(0, KS_PAD)
     r = tl.load(r_ptr + kk, mask=kk < KS, other=0.0)
@@ -585,7 +674,7 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
                 NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
                 HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr):
     """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1 (TWO_PASS: instead,
-    the group's 2048-bin histogram of the importances' top 11 bits, one atomic add per token)."""
+    the head's 8192-bin histogram of the importances' top 13 bits, one atomic add per token)."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     h = pid_bh % HKV
     if blk * BLK < T:
@@ -598,28 +687,43 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
         if TWO_PASS:
             dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT
-            tl.atomic_add(ihist_ptr + grp * IHSTRIDE + dig, tl.full([BLK], 1, tl.int32), mask=pos < T)
+            tl.atomic_add(ihist_ptr + (grp * (HG + 1) + hl) * IHBINS + dig, tl.full([BLK], 1, tl.int32),
+                          mask=pos < T, sem="relaxed")
         else:
             key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
             msk = kok[:, None] & (pos[None, :] < T)
             SH1: tl.constexpr = 31 - RBITS
             hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
             bins = tl.arange(0, NBINS)
-            tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0)
+            tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
-                 PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                 BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
+def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, BV_FIXED, NBLK,
+                 USE_RATE: tl.constexpr, PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr,
+                 W: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
                  PACKET: tl.constexpr, GATED: tl.constexpr):
     """Radix pass PASS (2..NPASS; 1 as well when GATED) over the keys that match the digits chosen
-    so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed."""
-    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
-    run = blk * BLK < T
+    so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed,
+    on a grid of (B*Hkv, a few) programs that stride over the NBLK blocks, so that a pass with
+    nothing to do costs a few programs reading one flag instead of a full grid."""
+    pid_bh, blk0, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     if GATED:
-        run = run & (_load_scalar(cmeta_ptr + grp * CMETA + 4) != 0)
-    if run:
+        if _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0:
+            for blk in range(blk0, NBLK, tl.num_programs(1)):
+                _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE,
+                             PASS, HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+    else:
+        _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk0, T, TMAX, RATE, BK, BV_FIXED, USE_RATE, PASS, HG,
+                     D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+
+
+@triton.jit
+def _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+                 PASS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
+                 KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
+    """One block's share of radix pass PASS."""
+    if blk * BLK < T:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
         hbase = hist_ptr + grp * HSTRIDE
         if PASS == 1:
@@ -637,7 +741,7 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
         if tl.sum(tl.sum(msk.to(tl.int32), 1), 0) > 0:
             hist = tl.histogram(tl.reshape(digit, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
             bins = tl.arange(0, NBINS)
-            tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0)
+            tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
@@ -662,25 +766,40 @@ def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_
 
 
 @triton.jit
-def _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
-                    D: tl.constexpr, W: tl.constexpr, HG: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-                    KS: tl.constexpr, KS_PAD: tl.constexpr, NT_PAD: tl.constexpr):
-    """Lambda, the ties at lambda still to take, and this block's rank base of those ties for each
-    step: all ties of earlier steps, plus ties of the same step in blocks that come earlier in item
-    order (head, then block)."""
-    kk = tl.arange(0, KS_PAD)
+def _lambda_need(hist_ptr, grp, T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 HG: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr, KS: tl.constexpr):
+    """Lambda and the ties at lambda still to take (where the selection left them)."""
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     lam = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1))
     need = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1) + 1)
-    lam = tl.where(count > 0, lam, 0x7FFFFFFF)
-    need = tl.where(count > 0, need, 0)
+    return tl.where(count > 0, lam, 0x7FFFFFFF), tl.where(count > 0, need, 0)
+
+
+@triton.jit
+def _tie_run(tie_ptr, grp, hl, blk, NBLK, HG: tl.constexpr, KS_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+    """This block's rank base of the ties at lambda for each step: all ties of earlier steps, plus
+    ties of the same step in blocks that come earlier in item order (head, then block)."""
+    kk = tl.arange(0, KS_PAD)
     NT = HG * NBLK
-    tt = tl.arange(0, NT_PAD)
     me = hl * NBLK + blk
-    tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
-    per_k = tl.sum(tie, 0)  # [KS_PAD]
-    run = tl.cumsum(per_k, 0) - per_k + tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
-    return lam, need, run
+    TR: tl.constexpr = min(NT_PAD, 32)  # rows of tie counts per load (few registers)
+    per_k = tl.zeros([KS_PAD], dtype=tl.int32)
+    before = tl.zeros([KS_PAD], dtype=tl.int32)
+    for t0 in range(0, NT, TR):
+        tt = t0 + tl.arange(0, TR)
+        tie = tl.load(tie_ptr + (grp * NT + tt[:, None]) * KS_PAD + kk[None, :], mask=tt[:, None] < NT, other=0)
+        per_k += tl.sum(tie, 0)
+        before += tl.sum(tl.where(tt[:, None] < me, tie, 0), 0)
+    return tl.cumsum(per_k, 0) - per_k + before
+
+
+@triton.jit
+def _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
+                    D: tl.constexpr, W: tl.constexpr, HG: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+                    KS: tl.constexpr, KS_PAD: tl.constexpr, NT_PAD: tl.constexpr):
+    """Lambda, the ties at lambda still to take, and this block's rank base of those ties."""
+    lam, need = _lambda_need(hist_ptr, grp, T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    return lam, need, _tie_run(tie_ptr, grp, hl, blk, NBLK, HG, KS_PAD, NT_PAD)
 
 
 @triton.jit
@@ -703,15 +822,35 @@ def _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl,
                   MIN_V: tl.constexpr, PACKET: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
                   NT_PAD: tl.constexpr, BLK: tl.constexpr):
     """Value depths of a whole block of BLK tokens at once (ties at lambda in (step, item) order),
-    stored to ``vdep``; returns (position in the block, depth) for the compaction that follows."""
-    lam, need, run = _lambda_and_run(hist_ptr, tie_ptr, grp, hl, blk, NBLK, T, RATE, BK, BV_FIXED, USE_RATE,
-                                     D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD)
+    stored to ``vdep``; returns (position in the block, depth) for the compaction that follows.
+
+    A token's strict count is KS compares of its own keys (``_steps_above``); the ties' ranks (the
+    tie counts of every earlier block and a prefix sum over (step, token)) are computed only in a
+    block that holds a key equal to lambda."""
+    lam, need = _lambda_need(hist_ptr, grp, T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     lp = tl.arange(0, BLK)
     pos = blk * BLK + lp
     valid = pos < T
     bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-    s, _ = _depths(bimp, valid, r_ptr, lam, need, run, KS, KS_PAD, MIN_V, PACKET)
-    tl.store(vdep_ptr + pid_bh * TMAX + pos, s.to(tl.int8), mask=valid)
+    strict, n_ge = _steps_above(bimp, r_ptr, lam, lam - 1, KS)
+    n_eq = n_ge - strict
+    s = tl.where(valid, MIN_V + PACKET * strict, 0)
+    vrow = vdep_ptr + pid_bh * TMAX
+    if tl.sum(tl.where(valid, n_eq, 0), 0) > 0:  # rare: keys at lambda, ranked in (step, item) order
+        # in chunks of TCH tokens through vdep, so that the ranks' [KS, tokens] prefix sums do not
+        # set the register count (and the occupancy) of the common path
+        TCH: tl.constexpr = min(BLK, 128)
+        run = _tie_run(tie_ptr, grp, hl, blk, NBLK, HG, KS_PAD, NT_PAD)
+        for c0 in range(0, BLK, TCH):
+            pc = blk * BLK + c0 + tl.arange(0, TCH)
+            vc = pc < T
+            sc, run = _depths(tl.load(vimp_ptr + pid_bh * TMAX + pc, mask=vc, other=0.0), vc, r_ptr, lam, need, run,
+                              KS, KS_PAD, MIN_V, PACKET)
+            tl.store(vrow + pc, sc.to(tl.int8), mask=vc)
+        tl.debug_barrier()
+        s = tl.load(vrow + pos, mask=valid, other=0).to(tl.int32)
+    else:
+        tl.store(vrow + pos, s.to(tl.int8), mask=valid)
     return lp, s
 
 
@@ -942,6 +1081,48 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
 
 
 @triton.jit
+def _v_tile_f(vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
+              acc3, acc4, acc5, acc6, acc7, G: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr,
+              NPL: tl.constexpr):
+    """One tile of the FMA Value stage: each thread's token ``tp`` (depth ``st``, live ``em``) and byte
+    column: its planes below its depth (at most NPL loads; NPL <= 4: one word, a 4x8 transpose), the 8
+    codes, 8 table lookups and 8 x G FMAs with the token's probabilities."""
+    NCODE: tl.constexpr = 1 << W
+    tp = tl.where(em, tp, 0)
+    page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
+    p0 = vb_ptr + (page * W * P + tp % P) * NB8 + bcol  # plane 0
+    lo = tl.zeros(tp.shape, dtype=tl.uint32)
+    hi = tl.zeros(tp.shape, dtype=tl.uint32)
+    for j in tl.static_range(NPL):
+        bj = tl.load(p0 + j * (P * NB8), mask=st > j, other=0).to(tl.uint32)
+        if j < 4:
+            lo = lo | (bj << (8 * j))
+        else:
+            hi = hi | (bj << (8 * (j - 4)))
+    if NPL > 4:
+        lo, hi = _transpose8_32(lo, hi)
+    else:
+        lo, hi = _transpose4_32(lo)
+    z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _bytes8(lo, hi))  # [F, 8]
+    acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
+    if G > 1:
+        acc1 = _v_fma(acc1, z, lrow + TMAX, tp, em, _pick(mg, gg, 1), _pick(izs, gg, 1))
+    if G > 2:
+        acc2 = _v_fma(acc2, z, lrow + 2 * TMAX, tp, em, _pick(mg, gg, 2), _pick(izs, gg, 2))
+    if G > 3:
+        acc3 = _v_fma(acc3, z, lrow + 3 * TMAX, tp, em, _pick(mg, gg, 3), _pick(izs, gg, 3))
+    if G > 4:
+        acc4 = _v_fma(acc4, z, lrow + 4 * TMAX, tp, em, _pick(mg, gg, 4), _pick(izs, gg, 4))
+    if G > 5:
+        acc5 = _v_fma(acc5, z, lrow + 5 * TMAX, tp, em, _pick(mg, gg, 5), _pick(izs, gg, 5))
+    if G > 6:
+        acc6 = _v_fma(acc6, z, lrow + 6 * TMAX, tp, em, _pick(mg, gg, 6), _pick(izs, gg, 6))
+    if G > 7:
+        acc7 = _v_fma(acc7, z, lrow + 7 * TMAX, tp, em, _pick(mg, gg, 7), _pick(izs, gg, 7))
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
 def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr,
                    tabf_ptr, vdep_ptr, vord_ptr, vcnt_ptr, part_ptr, SLOTS, TMAX, NSK, RATE, BK, BV_FIXED,
                    USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
@@ -960,7 +1141,6 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
     h = pid_bh % HKV
-    NCODE: tl.constexpr = 1 << W
     NB8: tl.constexpr = D // 8
     obase = vord_ptr + pid_bh * TMAX + blk * BLK
     if FIXED_V == 0:
@@ -992,6 +1172,10 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     acc6 = zero
     acc7 = zero
     lrow = logit_ptr + (b * HQ + h * G) * TMAX
+    # one loop over tiles of tokens of mixed depths (a split into deep and shallow tiles, each with its
+    # own loop, cost more registers than the 4x8 transpose saved: run 35); only the Full Reader at
+    # <= 4 planes, where every token is shallow, reads with 4 loads and the 4x8 transpose
+    NPL: tl.constexpr = W if FIXED_V == 0 or FIXED_V > 4 else min(W, 4)
     for ti in range(0, tl.cdiv(n_items, TS)):
         e = ti * TS + slot
         em = e < n_items
@@ -1013,34 +1197,9 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
         else:
             tp = blk * BLK + e
             st = tl.where(em, FIXED_V, 0)
-        tp = tl.where(em, tp, 0)
-        page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
-        p0 = vb_ptr + (page * W * P + tp % P) * NB8 + bcol  # [F]: plane 0
-        lo = tl.zeros([F], dtype=tl.uint32)
-        hi = tl.zeros([F], dtype=tl.uint32)
-        for j in tl.static_range(W):
-            bj = tl.load(p0 + j * (P * NB8), mask=st > j, other=0).to(tl.uint32)
-            if j < 4:
-                lo = lo | (bj << (8 * j))
-            else:
-                hi = hi | (bj << (8 * (j - 4)))
-        lo, hi = _transpose8_32(lo, hi)
-        z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _bytes8(lo, hi))  # [F, 8]
-        acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
-        if G > 1:
-            acc1 = _v_fma(acc1, z, lrow + TMAX, tp, em, _pick(mg, gg, 1), _pick(izs, gg, 1))
-        if G > 2:
-            acc2 = _v_fma(acc2, z, lrow + 2 * TMAX, tp, em, _pick(mg, gg, 2), _pick(izs, gg, 2))
-        if G > 3:
-            acc3 = _v_fma(acc3, z, lrow + 3 * TMAX, tp, em, _pick(mg, gg, 3), _pick(izs, gg, 3))
-        if G > 4:
-            acc4 = _v_fma(acc4, z, lrow + 4 * TMAX, tp, em, _pick(mg, gg, 4), _pick(izs, gg, 4))
-        if G > 5:
-            acc5 = _v_fma(acc5, z, lrow + 5 * TMAX, tp, em, _pick(mg, gg, 5), _pick(izs, gg, 5))
-        if G > 6:
-            acc6 = _v_fma(acc6, z, lrow + 6 * TMAX, tp, em, _pick(mg, gg, 6), _pick(izs, gg, 6))
-        if G > 7:
-            acc7 = _v_fma(acc7, z, lrow + 7 * TMAX, tp, em, _pick(mg, gg, 7), _pick(izs, gg, 7))
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_f(
+            vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
+            acc3, acc4, acc5, acc6, acc7, G, W, P, NB8, NPL)
     # channel 8 * column + k of each accumulator element, in the accumulators' layout
     kk = _bytes8(tl.full([F], 0x03020100, tl.uint32), tl.full([F], 0x07060504, tl.uint32))
     cidx = tl.reshape(bcol[:, None] * 8 + kk, (TS, NB8, 8))

@@ -77,8 +77,9 @@ def _encode_append(k_ptr, v_ptr, kw_ptr, vw_ptr, pt_ptr, start_ptr, muk_ptr, sig
         contrib = bit << shift  # distinct bits: the sum is the OR
         s0 = tl.sum(tl.where(in0[:, None], contrib, 0), 0)
         s1 = tl.sum(tl.where(in1[:, None], contrib, 0), 0)
-        tl.atomic_or(kw_ptr + ((page0 * W + j) * D + cc) * NW + w0, s0, mask=s0 != 0)
-        tl.atomic_or(kw_ptr + ((page1 * W + j) * D + cc) * NW + w1, s1, mask=(s1 != 0) & has1)
+        tl.atomic_or(kw_ptr + ((page0 * W + j) * D + cc) * NW + w0, s0, mask=s0 != 0, sem="relaxed")
+        tl.atomic_or(kw_ptr + ((page1 * W + j) * D + cc) * NW + w1, s1, mask=(s1 != 0) & has1,
+                     sem="relaxed")
 
     # ---- V: token-major rows of D bits, written whole ----
     code = _codes(v_ptr, xoff, ok, muv_ptr, sigv_ptr, heap_ptr, h, D, W)

@@ -21,7 +21,8 @@ from .alloc2 import _v_bracket, _v_cand, _v_exact
 from .decode import (
     CMETA_WORDS,
     HIST_STRIDE,
-    IH_STRIDE,
+    IH_BINS,
+    KSEG_WORDS,
     NPASS,
     _combine,
     _key_stage,
@@ -49,6 +50,8 @@ from .refine import (
     _refine_select,
     _refine_ties,
 )
+
+GATED_SPLITS = 4  # programs per (sequence, KV head) of a gated radix pass (they stride over the blocks)
 
 
 def spread_table() -> torch.Tensor:
@@ -117,16 +120,17 @@ class Plan:
     qt: torch.Tensor  # [B, Hq, d] f32: q~
     w_hi: torch.Tensor  # [B, Hq, d] f16: q~ * sigma_K, high half
     w_lo: torch.Tensor  # [B, Hq, d] f16: low half
+    wf: torch.Tensor  # [B, Hkv, d, G] f32: q~ * sigma_K, a channel's G query heads side by side
     base: torch.Tensor  # [B, Hq] f32: q~ . mu_K
     kdep: torch.Tensor  # [B, Hkv, d] i32: Key channel depths
-    kord: torch.Tensor  # [B, Hkv, d] i32: channels of depth > 0 first (depth << 8 | channel)
-    kcnt: torch.Tensor  # [B * Hkv] i32: how many
+    kord: torch.Tensor  # [B, Hkv, d] i32: channels of depth > 0 by depth, deepest first (depth << 8 | channel)
+    kcnt: torch.Tensor  # [B * Hkv, KSEG_WORDS] i32: [0] how many, [t] how many of depth t
     logits: torch.Tensor  # [B, Hq, T] f32 (scaled)
     mstat: torch.Tensor  # [B, Hq, S] f32
     sstat: torch.Tensor  # [B, Hq, S] f32
     vimp: torch.Tensor  # [B, Hkv, T] f32: Value importance
     vdep: torch.Tensor  # [B, Hkv, T] i8: Value token depths
-    vord: torch.Tensor  # [B, Hkv, T] i16: per block, its tokens of depth > 0, deepest first (compaction)
+    vord: torch.Tensor  # [B, Hkv, T] i16: per block, its tokens of depth > 0 in position order (compaction)
     vcnt: torch.Tensor  # [B, Hkv, NBLK] i32: how many (the FMA Value stage)
     hist: torch.Tensor  # [groups, HIST_STRIDE] i32: radix histograms
     ties: torch.Tensor  # [groups, HG * NBLK, KS_PAD] i32
@@ -143,14 +147,15 @@ class Plan:
     rcost: torch.Tensor  # [B * Hkv] i32: bits to refine one token of the head
     # two-pass Value allocation (one-element placeholders without it)
     two_pass: bool
-    ihist: torch.Tensor  # [groups, IH_STRIDE] i32: importance histogram and its suffix sums
+    ihist: torch.Tensor  # [groups, (HG + 1) IH_BINS] i32: importance histogram per head, suffix sums
     cmeta: torch.Tensor  # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, overflow
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
+    key_loop: int = 0  # the FMA Key stage's channel walk (TritonReader._key_loop)
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
-        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.base, self.kdep, self.kord, self.kcnt, self.logits,
-                self.mstat, self.sstat,
+        bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.wf, self.base, self.kdep, self.kord, self.kcnt,
+                self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
                 self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand)
         return sum(t.numel() * t.element_size() for t in bufs)
@@ -166,7 +171,8 @@ class TritonReader:
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
                  fixed_depth: int = 0, assembly: str | None = None, compact_values: bool | None = None,
-                 value_alloc: str | None = None, cand_cap: int | None = None) -> None:
+                 value_alloc: str | None = None, cand_cap: int | None = None, alloc_warps: int = 8,
+                 key_loop: int | None = None) -> None:
         if assembly is None:  # the FMA stages, which hold one accumulator per query head of a group (<= 8)
             assembly = "fma" if codec.spec.group_size <= 8 else "transpose"
         if assembly not in ASSEMBLY:
@@ -175,8 +181,8 @@ class TritonReader:
             raise ValueError(f"the FMA Key stage handles up to 8 query heads per KV head, got {codec.spec.group_size}")
         if value_alloc is not None and value_alloc not in VALUE_ALLOC:
             raise ValueError(f"value_alloc must be one of {VALUE_ALLOC}, got {value_alloc!r}")
-        if cand_cap is not None and (cand_cap < 16 or cand_cap & (cand_cap - 1)):
-            raise ValueError(f"cand_cap must be a power of two >= 16, got {cand_cap}")
+        if cand_cap is not None and (cand_cap < 2 or cand_cap & (cand_cap - 1)):
+            raise ValueError(f"cand_cap must be a power of two >= 2, got {cand_cap}")
         self.codec = codec
         self.assembly = assembly
         self.value_alloc = value_alloc
@@ -195,6 +201,16 @@ class TritonReader:
         if spec.page_size % 32:
             raise ValueError("page size must be a multiple of 32")
         self.num_warps = num_warps
+        if alloc_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"alloc_warps must be a power of two in 1..16, got {alloc_warps}")
+        # warps of the per-block Value allocation kernels (importance, candidates, radix passes,
+        # compaction): 1024-token blocks, so 8 warps hold 4 tokens per thread (KERNEL_NOTES run 35)
+        self.alloc_warps = alloc_warps
+        self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
+        # the FMA Key stage's channel walk (None: by step size, see _key_loop)
+        self.key_loop: int | None = key_loop
+        if key_loop not in (None, 0, 1):
+            raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         pol = self.policy
         ref_only = pol.reference_only_options()
         if ref_only:
@@ -291,10 +307,11 @@ class TritonReader:
             batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
             qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
             w_hi=torch.empty(batch, hq, d, **f16), w_lo=torch.empty(batch, hq, d, **f16),
+            wf=torch.empty(batch, hk, d, hq // hk, dtype=torch.float32, device=dev),
             base=torch.empty(batch, hq, **f32),
             kdep=torch.empty(batch, hk, d, dtype=torch.int32, device=dev),
             kord=torch.zeros(batch, hk, d, dtype=torch.int32, device=dev),
-            kcnt=torch.zeros(batch * hk, dtype=torch.int32, device=dev),
+            kcnt=torch.zeros(batch * hk, KSEG_WORDS, dtype=torch.int32, device=dev),
             logits=torch.empty(batch, hq, max_tokens, **f32),
             mstat=torch.empty(batch, hq, n_splits, **f32), sstat=torch.empty(batch, hq, n_splits, **f32),
             vimp=torch.empty(batch, hk, max_tokens, **f32),
@@ -311,21 +328,35 @@ class TritonReader:
             rcnt=opt(r, batch, hk, n_blocks, **i32),
             rord=opt(r, batch, hk, max_tokens, dtype=torch.int16, device=dev),
             rcost=opt(r, batch * hk, **i32),
-            two_pass=tp, ihist=opt(tp, groups, IH_STRIDE, **i32),
+            two_pass=tp, ihist=opt(tp, groups, (self.hg + 1) * IH_BINS, **i32),
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
+            key_loop=self._key_loop(batch * hk * max_tokens),
         )
+
+    def _key_loop(self, tokens: int) -> int:
+        """How the FMA Key stage walks a head's channels of depth > 0 (``key_loop``; None = measured
+        choice, KERNEL_NOTES run 36). 1: in channel order (neighbouring channels share L1 lines), a
+        branch per channel to a body specialized to its depth (t unmasked loads, a 4x8 transpose for
+        t <= 4); at B=32 T=32768 flexible R=2 1.62 -> 1.54 ms, R=4 2.41 -> 2.11 ms. 0: one loop per
+        depth segment, the next channel's planes requested before this one's math; better where
+        latency shows (B=1 T=8192: 0.164 vs 0.171 ms) and for the Full Reader (one depth: the
+        segment is the channel order)."""
+        if self.key_loop is not None:
+            return self.key_loop
+        return 0 if self.fixed_depth or tokens < 1 << 18 else 1
 
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
-        Value allocation. None = measured choice (run 34, docs/KERNEL_NOTES.md): at B=32 T=32768
-        (8.4M) it took the flexible R=2 step from 2.49 to 2.22 ms, at B=1 T=8192 (65k) it made it
-        slower (0.19 -> 0.22 ms: the bracket's bisection is a chain of dependent loads); sizes between
-        were not measured with it, so it is chosen from 2^22 (4M) only."""
+        Value allocation. None = measured choice (docs/KERNEL_NOTES.md runs 34-36): faster at B=32
+        T=32768 (8.4M triples), B=32 T=8192 with SmolLM2's 3 KV heads (786k: flexible R=2 0.253 ->
+        0.230 ms) and d=256 with one KV head (1M: 0.547 -> 0.497 ms); slower at B=1 T=8192 (65k:
+        0.163 -> 0.195 ms, where the bracket's and the exact pass's bisections are chains of
+        dependent steps in a launch-bound step). So it is chosen from 2^19 (524k) triples."""
         if self.fixed_depth:
             return False
         if self.value_alloc is None:
-            return tokens >= 1 << 22
+            return tokens >= 1 << 19
         return self.value_alloc == "two-pass"
 
     def _cap(self, max_tokens: int) -> int:
@@ -390,21 +421,23 @@ class TritonReader:
                       PACKET=pol.v_packet)
         mu_k, sig_k = c["mu_k"][layer], c["sig_k"][layer]
         mu_v, sig_v = c["mu_v"][layer], c["sig_v"][layer]
-        nw = self.num_warps
+        nw, aw = self.num_warps, self.alloc_warps
 
         mark("start")
         plan.qbuf.copy_(q)
         torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
         mark("q_transform")
-        _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.base, plan.kdep, plan.kord,
+        _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.wf, plan.base, plan.kdep, plan.kord,
                          plan.kcnt, plan.hist, self.count_k, plan.rhist, plan.ihist, HQ=hq, HKV=hk, HG=self.hg, G=g,
                          D=d, KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
-                         RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass, num_warps=4)
+                         RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
+                         KORDER=plan.key_loop, num_warps=self.prep_warps)
         mark("prep")
         if self.assembly == "fma":
-            _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.qt, sig_k, plan.base,
+            _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
-                                        HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, num_warps=nw)
+                                        HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, KLOOP=plan.key_loop,
+                                        num_warps=nw)
         elif self._transposing(p):
             _key_stage_t8[(b * hk, nsk)](k_pool, page_table, lengths, plan.kdep, plan.w_hi, plan.w_lo, plan.base,
                                          c["tabr"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
@@ -423,7 +456,7 @@ class TritonReader:
             _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
                               c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
                               NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
-                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, num_warps=nw)
+                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, num_warps=aw)
             mark("value_hist")
             gsel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
                         KS=self.ks_v)
@@ -432,16 +465,18 @@ class TritonReader:
                 _v_bracket[(groups,)](plan.ihist, lengths, c["rv"], plan.cmeta, rate, self.bk, bv_fixed,
                                       KS_PAD=self.kspad_v, **gsel, num_warps=4)
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
-                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=nw)
+                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=aw)
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
                                     **gsel, num_warps=8 if cap <= 8192 else 16)
                 mark("value_two_pass")
             if not tp:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
                                          **gsel, num_warps=1)
+            rgrid = (b * hk, min(nblk, GATED_SPLITS)) if tp else grid
             for pas in range(1 if tp else 2, NPASS.value + 1):
-                _value_radix[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk, bv_fixed,
-                                   USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp, **vconst, num_warps=nw)
+                _value_radix[rgrid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk,
+                                    bv_fixed, nblk, USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp,
+                                    **vconst, num_warps=aw)
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas, GATED=tp,
                                          **gsel, num_warps=1)
                 mark(f"value_radix{pas}")
@@ -452,7 +487,7 @@ class TritonReader:
             if self.compact_values:
                 _value_order[grid](lengths, plan.vimp, c["rv"], plan.hist, plan.ties, plan.vdep, plan.vord, plan.vcnt,
                                    tmax, rate, self.bk, bv_fixed, USE_RATE=use_rate, HKV=hk, HG=self.hg,
-                                   NT_PAD=next_pow2(self.hg * nblk), **vconst, num_warps=nw)
+                                   NT_PAD=next_pow2(self.hg * nblk), **vconst, num_warps=aw)
                 mark("value_order")
             _value_stage_f[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
                                  plan.hist, plan.ties, c["tabf"], plan.vdep, plan.vord, plan.vcnt, plan.part, slots,

@@ -68,7 +68,8 @@ def _refine_score(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, qt_ptr, sig_ptr, kde
         SH1: tl.constexpr = 31 - RBITS
         hist = tl.histogram(tl.where(ok, key >> SH1, 0), NBINS, mask=ok)
         bins = tl.arange(0, NBINS)
-        tl.atomic_add(rhist_ptr + (grp * HG_PAD + hl) * (NPASS * NBINS) + bins, hist, mask=hist > 0)
+        tl.atomic_add(rhist_ptr + (grp * HG_PAD + hl) * (NPASS * NBINS) + bins, hist, mask=hist > 0,
+                      sem="relaxed")
 
 
 @triton.jit
@@ -128,7 +129,8 @@ def _refine_radix(rkey_ptr, len_ptr, rsel_ptr, rhist_ptr, TMAX, PASS: tl.constex
         if tl.sum(match.to(tl.int32), 0) > 0:
             hist = tl.histogram(tl.where(match, digit, 0), NBINS, mask=match)
             bins = tl.arange(0, NBINS)
-            tl.atomic_add(rhist_ptr + ((grp * HG_PAD + hl) * NPASS + PASS - 1) * NBINS + bins, hist, mask=hist > 0)
+            tl.atomic_add(rhist_ptr + ((grp * HG_PAD + hl) * NPASS + PASS - 1) * NBINS + bins, hist, mask=hist > 0,
+                          sem="relaxed")
 
 
 @triton.jit

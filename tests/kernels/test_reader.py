@@ -297,3 +297,51 @@ def test_compaction_is_chosen_where_it_was_measured_faster() -> None:
     assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), compact_values=True, **mma).compact_values
     codec256, _, _ = _setup(seed=1, lengths=[8], d=256, hk=1)
     assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75), **mma).compact_values
+
+
+@pytest.mark.parametrize("key_loop", [0, 1])
+def test_key_channel_list_and_both_walks(key_loop: int) -> None:
+    """The FMA Key stage walks each head's channels of depth > 0 from ``kord``: key_loop=0 in
+    segments of one depth, deepest first (one unmasked loop per depth), key_loop=1 in channel order
+    (a branch per channel to its depth's body); ``kcnt[:, t]`` holds how many channels have depth t
+    and ``kcnt[:, 0]`` the list's length. Every read channel is listed once, and both walks give the
+    reference reader's output."""
+    codec, cache, q = _setup(seed=5, lengths=[150, 97])
+    policy = ReadPolicy.flexible(4.0, k_share=0.75)
+    ref, _ = readkv_decode(q, cache, 0, codec, policy)
+    reader = TritonReader(codec, policy, assembly="fma", key_loop=key_loop)
+    plan = reader.plan(2, 150, "cpu")
+    assert plan.key_loop == key_loop
+    plan.out.fill_(float("nan"))
+    out, _ = reader.decode(q, cache, 0, plan=plan)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    w = codec.width
+    depths_seen = set()
+    for b in range(2):
+        for h in range(cache.spec.n_kv_heads):
+            dep = plan.kdep[b, h].long()
+            seg = plan.kcnt[b * cache.spec.n_kv_heads + h].long()
+            n = int(seg[0])
+            ent = plan.kord[b, h, :n].long()
+            t, ch = ent >> 8, ent & 0xFF
+            assert n == int((dep > 0).sum())
+            assert [int(seg[k]) for k in range(1, w + 1)] == [int((dep == k).sum()) for k in range(1, w + 1)]
+            assert sorted(ch.tolist()) == torch.nonzero(dep > 0).flatten().tolist()
+            assert torch.equal(t, dep[ch])
+            if key_loop == 0:
+                assert bool((t[:-1] >= t[1:]).all())  # deepest first
+            else:
+                assert bool((ch[:-1] < ch[1:]).all())  # channel order
+            depths_seen.update(t.tolist())
+    assert len(depths_seen) >= 3  # several depths (segments, branches) ran
+
+
+def test_key_loop_is_chosen_by_step_size() -> None:
+    """key_loop=None: channel order for large steps (measured faster at B=32 T=32768), depth
+    segments for small ones and the Full Reader (KERNEL_NOTES run 36); bad values are refused."""
+    codec, _, _ = _setup(seed=5, lengths=[150, 97])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
+    assert reader._key_loop(32 * 8 * 32768) == 1 and reader._key_loop(8 * 8192) == 0
+    assert TritonReader(codec, fixed_depth=4)._key_loop(32 * 8 * 32768) == 0
+    with pytest.raises(ValueError, match="key_loop"):
+        TritonReader(codec, ReadPolicy.flexible(2.0), key_loop=2)

@@ -1,0 +1,78 @@
+"""A/B timings of TritonReader tuning attributes, one process, SDPA timed beside them.
+
+    PYTHONPATH=. python benchmarks/tools/ab_knobs.py --shapes b32-t32k b1-t8k \
+        --systems readkv-flex-r2 --set prep_warps=4 --set prep_warps=16
+
+Each ``--set name=value[,name=value]`` is one variant: a reader built as the benchmark builds it,
+with those attributes overridden before planning. Median of graph replays (planekv.kernels.bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from planekv.kernels.bench import SHAPES, _gen, _policy, _time_graphs
+from planekv.kernels.reader import TritonReader
+
+
+def _variant(spec: str) -> dict[str, int | float | str]:
+    out: dict[str, int | float | str] = {}
+    for item in filter(None, spec.split(",")):
+        k, v = item.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["b32-t32k"], choices=sorted(SHAPES))
+    ap.add_argument("--systems", nargs="+", default=["readkv-flex-r2"])
+    ap.add_argument("--set", action="append", default=[], dest="variants")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        data = _gen(shape, dev, 0, None)
+        q4 = data.q[:, :, None, :]
+        sdpa = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
+            q4, d.k, d.v, enable_gqa=True)], args.reps)
+        print(f"{name} sdpa {sdpa:.4f} ms")
+        for system in args.systems:
+            for spec in args.variants or [""]:
+                if system == "full4":
+                    reader = TritonReader(data.codec, fixed_depth=4)
+                else:
+                    pol = _policy(system, None)
+                    if pol is None:
+                        raise SystemExit(f"unknown system {system}")
+                    reader = TritonReader(data.codec, pol)
+                for k, v in _variant(spec).items():
+                    if not hasattr(reader, k):
+                        raise SystemExit(f"TritonReader has no attribute {k!r}")
+                    setattr(reader, k, v)
+                plan = reader.plan(shape.batch, shape.tokens, dev)
+                ms = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
+                                                                           d.cache.v_pool[0], d.page_table,
+                                                                           d.lengths, 0)], args.reps)
+                rows.append({"shape": name, "system": system, "variant": spec, "ms": ms, "sdpa_ms": sdpa})
+                print(f"{name} {system} [{spec or 'default'}] {ms:.4f} ms x{ms / sdpa:.3f} SDPA")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

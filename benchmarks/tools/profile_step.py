@@ -1,0 +1,44 @@
+"""One ReadKV decode step of the attention benchmark, run eagerly: a driver for Nsight Compute.
+
+    PYTHONPATH=. python benchmarks/tools/profile_step.py --shape b32-t32k --system readkv-flex-r2
+    ncu --kernel-name regex:'_key_stage_f|_value_stage_f' --launch-skip-before-match 0 \
+        --section ComputeWorkloadAnalysis --section WarpStateStats \
+        python benchmarks/tools/profile_step.py --shape b32-t32k --steps 1
+
+The same synthetic data and policies as ``planekv bench attention`` (planekv.kernels.bench), one
+input set, ``--steps`` decode steps after one warm-up step (compilation happens there).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from planekv.kernels.bench import SHAPES, _gen, _policy
+from planekv.kernels.reader import TritonReader
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="b32-t32k", choices=sorted(SHAPES))
+    ap.add_argument("--system", default="readkv-flex-r2")
+    ap.add_argument("--steps", type=int, default=1)
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    dev = torch.device("cuda")
+    data = _gen(shape, dev, 0, None)
+    pol = _policy(args.system, None)
+    if pol is None:
+        raise SystemExit(f"unknown ReadKV system {args.system}")
+    reader = TritonReader(data.codec, pol)
+    plan = reader.plan(shape.batch, shape.tokens, dev)
+    for _ in range(1 + args.steps):
+        reader.run(plan, data.q, data.cache.k_pool[0], data.cache.v_pool[0], data.page_table, data.lengths, 0)
+    torch.cuda.synchronize()
+    print(f"{args.shape} / {args.system}: {args.steps} step(s) after a warm-up")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
