@@ -222,7 +222,8 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     prio = af[None, :] * r[:, None]  # [KS_PAD, N], step-major
     ok = (kk[:, None] < KS) & valid[None, :]
     key = tl.where(ok, prio.to(tl.int32, bitcast=True), -1)
-    # Smallest lambda (bit pattern) with #(key > lambda) < count: bisection over 31 bits.
+    # Smallest lambda (bit pattern) with #(key > lambda) < count: bisection over 31 bits. (An 8-way
+    # search, 11 steps of 7 counts, measured slower for groups of 8 heads: 32 -> 36 us at B=32, run 38.)
     lo = tl.zeros([], dtype=tl.int32) - 1
     hi = tl.zeros([], dtype=tl.int32) + 0x7F800000
     for _ in range(32):

@@ -467,7 +467,7 @@ class TritonReader:
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
                               BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=aw)
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
-                                    **gsel, num_warps=8 if cap <= 8192 else 16)
+                                    **gsel, num_warps=8)
                 mark("value_two_pass")
             if not tp:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
