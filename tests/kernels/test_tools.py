@@ -1,0 +1,46 @@
+"""The kernel-analysis tools behind docs/KERNEL_NOTES.md (runs 35-38): the linear-codebook distortion
+table that the floor analysis cites, and the per-kernel timeline's report."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from planekv.kernels.bench import Row, format_timeline
+from planekv.kvstore.codebook import GaussianTree
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _linear_codebook():
+    path = ROOT / "benchmarks" / "tools" / "linear_codebook.py"
+    spec = importlib.util.spec_from_file_location("linear_codebook", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_additive_fit_of_the_tree_is_exact_to_depth_2_and_far_off_deeper() -> None:
+    """Two planes' four reconstruction values are always a + w0 b0 + w1 b1, so a codebook linear in
+    the planes loses nothing there; from depth 3 the tree's centroids are not additive and the
+    tails dominate (KERNEL_NOTES: 1.16x at depth 3, 281x at depth 8)."""
+    lc = _linear_codebook()
+    tree = GaussianTree(8)
+    d_tree = tree.distortion[1:]
+    d_lin = lc.additive_distortion([-math.inf, *tree.thresholds(8), math.inf])
+    ratio = [a / b for a, b in zip(d_lin, d_tree, strict=True)]
+    assert abs(ratio[0] - 1) < 1e-9 and abs(ratio[1] - 1) < 1e-9
+    assert 1.1 < ratio[2] < 1.25 and ratio[3] > 2 and ratio[7] > 100
+    assert all(b >= a for a, b in zip(ratio[1:], ratio[2:], strict=False))  # only worse with depth
+
+
+def test_timeline_report_lists_kernels_by_time() -> None:
+    row = Row("b32-t32k", "readkv-flex-r2", 1.5, 1.4, 2.0, 1.0, 2.0, 2.0, 1.0,
+              {"timeline": {"kernels_us": {"_key_stage_f": [1.0, 731.2], "_prep": [1.0, 31.4]},
+                            "kernel_sum_us": 762.6, "graph_us": 780.0}})
+    text = format_timeline([row, Row("b32-t32k", "sdpa", 1.0, 1.0, 16.0, 1.0, 1.0, 1.0, 4.0)])
+    lines = text.splitlines()
+    assert lines[0] == "b32-t32k / readkv-flex-r2: graph 780.0 us per step, kernels 762.6 us"
+    assert "_key_stage_f" in lines[1] and "731.20" in lines[1] and "_prep" in lines[2]
+    assert len(lines) == 3  # rows without a timeline are left out
