@@ -46,7 +46,7 @@ def main() -> int:
         shape = SHAPES[name]
         data = _gen(shape, dev, 0, None)
         q4 = data.q[:, :, None, :]
-        sdpa = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
+        sdpa, _ = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
             q4, d.k, d.v, enable_gqa=True)], args.reps)
         print(f"{name} sdpa {sdpa:.4f} ms")
         for system in args.systems:
@@ -63,7 +63,7 @@ def main() -> int:
                         raise SystemExit(f"TritonReader has no attribute {k!r}")
                     setattr(reader, k, v)
                 plan = reader.plan(shape.batch, shape.tokens, dev)
-                ms = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
+                ms, _ = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
                                                                            d.cache.v_pool[0], d.page_table,
                                                                            d.lengths, 0)], args.reps)
                 rows.append({"shape": name, "system": system, "variant": spec, "ms": ms, "sdpa_ms": sdpa})

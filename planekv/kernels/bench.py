@@ -138,8 +138,9 @@ def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Co
     return _Data(spec, codec, q, k, v, cache, pt, lengths)
 
 
-def _time_graphs(steps: list[Callable[[], Any]], reps: int) -> float:
-    """Capture each step in a CUDA graph; replay round-robin; median ms of single replays.
+def _time_graphs(steps: list[Callable[[], Any]], reps: int) -> tuple[float, list[torch.cuda.CUDAGraph]]:
+    """Capture each step in a CUDA graph; replay round-robin; median ms of single replays, and the
+    graphs (for :func:`_timeline`).
 
     Off the GPU (Triton's interpreter, for plumbing checks) each step runs once on the host clock."""
     if not torch.cuda.is_available():
@@ -148,7 +149,7 @@ def _time_graphs(steps: list[Callable[[], Any]], reps: int) -> float:
             t0 = time.perf_counter()
             f()
             times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        return statistics.median(times), []
     graphs = []
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -175,7 +176,7 @@ def _time_graphs(steps: list[Callable[[], Any]], reps: int) -> float:
         e1.record()
         e1.synchronize()
         times.append(e0.elapsed_time(e1))
-    return statistics.median(times)
+    return statistics.median(times), graphs
 
 
 def _sync(dev: torch.device) -> None:
@@ -308,7 +309,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
             rows.append(row)
             say(f"{name} / {system}: {row.median_ms:.4f} ms, x{row.ratio_to_sdpa or float('nan'):.3f} SDPA, "
                 f"{row.logical_bits_per_scalar:.2f} bits, phys/logical {row.physical_over_logical:.2f}, "
-                f"{row.bandwidth_tbs:.2f} TB/s {({k: v for k, v in row.check.items() if k != 'timeline'})}")
+                f"{row.bandwidth_tbs:.2f} TB/s {_plain_check(row)}")
         del sets
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -326,9 +327,9 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         qs = [s.q[:, :, None, :] for s in sets]
         steps = [lambda s=s, q=q: torch.nn.functional.scaled_dot_product_attention(q, s.k, s.v, enable_gqa=True)
                  for s, q in zip(sets, qs, strict=False)]
-        ms = _time_graphs(steps, reps)
-        if dev.type == "cuda" and timeline:
-            info["timeline"] = _timeline_or_error(steps[0])
+        ms, graphs = _time_graphs(steps, reps)
+        if timeline and graphs:
+            info["timeline"] = _timeline_or_error(graphs[0])
         return Row(shape.name, system, ms, None, 16.0, bytes_fp16, bytes_fp16 + 2.0 * b * hq * d * 2, 1.0,
                    (bytes_fp16 + 4.0 * b * hq * d) / ms / 1e9, info)
     if system == "fp8":
@@ -343,7 +344,7 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
                                                                   enable_gqa=True)[:, :, 0]
             info["rel_err_vs_fp32_sdpa_on_dequant"] = float((out - ref).norm() / ref.norm())
         steps = [lambda x=x: f.run(plan, x[0].q, x[1], x[3], x[2], x[4], x[0].lengths) for x in qd]
-        ms = _time_graphs(steps, reps)
+        ms, _ = _time_graphs(steps, reps)
         phys = bytes_fp16 / 2 + 4.0 * b * hq * plan["S"] * (d + 2) * 2
         return Row(shape.name, system, ms, None, 8.0, bytes_fp16 / 2, phys, phys / (bytes_fp16 / 2),
                    phys / ms / 1e9, info)
@@ -361,9 +362,9 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
         info.update(_check(reader, plan, s0, codec))
     steps = [lambda s=s: reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0)
              for s in sets]
-    ms = _time_graphs(steps, reps)
-    if dev.type == "cuda" and timeline:
-        info["timeline"] = _timeline_or_error(steps[0])
+    ms, graphs = _time_graphs(steps, reps)
+    if timeline and graphs:
+        info["timeline"] = _timeline_or_error(graphs[0])
     reader.run(plan, s0.q, s0.cache.k_pool[0], s0.cache.v_pool[0], s0.page_table, s0.lengths, 0)
     _sync(dev)
     st = reader.stats(plan, s0.lengths)
@@ -373,27 +374,21 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
                phys / (logical_bits / 8), phys / ms / 1e9, info)
 
 
-def _timeline_or_error(step: Callable[[], Any]) -> dict[str, Any]:
+def _timeline_or_error(graph: torch.cuda.CUDAGraph) -> dict[str, Any]:
     try:
-        return _timeline(step)
+        return _timeline(graph)
     except Exception as exc:  # the profiler is a diagnostic: its failure must not lose the row
         log.exception("timeline failed")
         return {"error": f"{type(exc).__name__}: {exc}", "kernels_us": {}, "kernel_sum_us": 0.0, "graph_us": 0.0}
 
 
-def _timeline(step: Callable[[], Any], reps: int = 20) -> dict[str, Any]:
-    """Per-kernel GPU time of one step replayed as a CUDA graph, from the profiler's kernel records:
-    {kernel: [launches per step, microseconds per step]}, their sum, and the graph's wall time per
-    replay (the difference is launch gaps and tails between dependent kernels)."""
+def _timeline(gr: torch.cuda.CUDAGraph, reps: int = 20) -> dict[str, Any]:
+    """Per-kernel GPU time of one step's captured graph (from :func:`_time_graphs`), from the
+    profiler's kernel records over ``reps`` replays: {kernel: [launches per step, microseconds per
+    step]}, their sum, and the graph's wall time per replay (the difference is launch gaps and tails
+    between dependent kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    gr = torch.cuda.CUDAGraph()
-    step()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(gr):
-        step()
-    gr.replay()
-    torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         e0.record()
@@ -449,13 +444,17 @@ def rows_to_json(rows: list[Row], path: str, meta: dict[str, Any]) -> None:
         json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
 
 
+def _plain_check(row: Row) -> dict[str, Any]:
+    """A row's check values without the timeline (reported apart by :func:`format_timeline`)."""
+    return {k: v for k, v in row.check.items() if k != "timeline"}
+
+
 def format_table(rows: list[Row]) -> str:
     head = ("| shape | system | median ms | x SDPA | logical bits/scalar | physical / logical | TB/s | check |\n"
             "|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        chk = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.check.items()
-                        if k != "timeline")
+        chk = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in _plain_check(r).items())
         ratio = "" if r.ratio_to_sdpa is None else f"{r.ratio_to_sdpa:.3f}"
         lines.append(f"| {r.shape} | {r.system} | {r.median_ms:.4f} | {ratio} | {r.logical_bits_per_scalar:.2f} | "
                      f"{r.physical_over_logical:.2f} | {r.bandwidth_tbs:.2f} | {chk} |")

@@ -489,15 +489,19 @@ def _key_fma_out(acc, base_ptr, qrow, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos
 
 
 @triton.jit
-def _plane_words_u(kb_ptr, rbase, c, D: tl.constexpr, T: tl.constexpr, NB: tl.constexpr):
-    """Planes 0..T-1 of channel ``c`` for each row, unmasked (every listed channel of a segment has
-    depth T; rows past the sequence read page 0 and are dropped at the logits' store), as two uint32
-    words (plane j in byte j of lo for j < 4, byte j - 4 of hi otherwise)."""
-    p0 = kb_ptr + rbase + c * NB
-    lo = tl.zeros(rbase.shape, dtype=tl.uint32)
-    hi = tl.zeros(rbase.shape, dtype=tl.uint32)
-    for j in tl.static_range(T):
-        bj = tl.load(p0 + j * (D * NB)).to(tl.uint32)
+def _pack_planes(p0, STRIDE: tl.constexpr, NPL: tl.constexpr, depth, MASKED: tl.constexpr):
+    """Planes 0..NPL-1 at ``p0 + j * STRIDE`` as two uint32 words (plane j in byte j of lo for j < 4,
+    byte j - 4 of hi otherwise). MASKED: plane j only where ``depth > j`` (the loads masked, not
+    branched, so all are in flight at once); otherwise every load runs (the Key stage's segments and
+    depth branches, where every channel has depth NPL; rows past the sequence read page 0 and are
+    dropped at the logits' store)."""
+    lo = tl.zeros(p0.shape, dtype=tl.uint32)
+    hi = tl.zeros(p0.shape, dtype=tl.uint32)
+    for j in tl.static_range(NPL):
+        if MASKED:
+            bj = tl.load(p0 + j * STRIDE, mask=depth > j, other=0).to(tl.uint32)
+        else:
+            bj = tl.load(p0 + j * STRIDE).to(tl.uint32)
         if j < 4:
             lo = lo | (bj << (8 * j))
         else:
@@ -506,25 +510,39 @@ def _plane_words_u(kb_ptr, rbase, c, D: tl.constexpr, T: tl.constexpr, NB: tl.co
 
 
 @triton.jit
+def _codes(lo, hi, NPL: tl.constexpr):
+    """The 8 codes (plane j at bit j) of packed plane words, [M, 8]: the 8x8 bit transpose, or the
+    4x8 one when at most 4 planes were packed."""
+    if NPL > 4:
+        lo, hi = _transpose8_32(lo, hi)
+    else:
+        lo, hi = _transpose4_32(lo)
+    return _bytes8(lo, hi)
+
+
+@triton.jit
+def _key_channel(lo, hi, trow, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G: tl.constexpr,
+                 T: tl.constexpr):
+    """One channel of depth T in the FMA Key stage: its codes, their values in the table row ``trow``
+    and acc_g += value * w_g (``wp``: the channel's G weights)."""
+    z = tl.load(trow + _codes(lo, hi, T))  # [M, 8] float32
+    return _fma_channel(z, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G)
+
+
+@triton.jit
 def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                  G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
     """The channels kord[start:end] of one depth T: per channel T plane loads per row (the next
     channel's requested before this one's math; the last re-requests itself, an L1 hit), the bit
     transpose (8x8, or 4x8 for T <= 4), 8 lookups in row T of ``tabf`` and 8 x G FMAs."""
-    NCODE: tl.constexpr = 1 << W
-    trow = tabf_ptr + T * NCODE
+    trow = tabf_ptr + T * (1 << W)
     c = _load_scalar(lrow + start) & 0xFF
-    lo, hi = _plane_words_u(kb_ptr, rbase, c, D, T, NB)
+    lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
     for i in range(start, end):
         c_n = _load_scalar(lrow + tl.minimum(i + 1, end - 1)) & 0xFF
-        lo_n, hi_n = _plane_words_u(kb_ptr, rbase, c_n, D, T, NB)
-        if T > 4:
-            lo, hi = _transpose8_32(lo, hi)
-        else:
-            lo, hi = _transpose4_32(lo)
-        z = tl.load(trow + _bytes8(lo, hi))  # [M, 8] float32
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
-            z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G)
+        lo_n, hi_n = _pack_planes(kb_ptr + rbase + c_n * NB, D * NB, T, 0, False)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
+            lo, hi, trow, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G, T)
         lo = lo_n
         hi = hi_n
         c = c_n
@@ -538,13 +556,15 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
                  P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr):
     """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
     (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
-    the list of the head's channels of depth t > 0 that ``_prep`` writes (kord, in segments of one
-    depth, deepest first; kcnt: KSEG words per head, [t] the segment lengths), so depth-0 channels
-    (their reconstruction, the mean, is in ``base``) cost nothing, and each segment's loop is
-    specialized to its depth: per channel and row exactly t byte loads with no masks (plane j into
-    byte j of an int64), one bit transpose (8x8; 4x8 for t <= 4) giving the 8 tokens' codes (plane j
-    at bit j), 8 lookups in row t of the bit-reversed float32 table (``tabf``) and 8 x G float32 FMAs
-    with w = q~ sigma_K (``wf``, G contiguous weights per channel). No MMA, no operand shuffles, no
+    the list of the head's channels of depth t > 0 that ``_prep`` writes (kord; kcnt: KSEG words per
+    head, [0] the list's length, [t] how many have depth t), so depth-0 channels (their
+    reconstruction, the mean, is in ``base``) cost nothing. KLOOP 0: the list in segments of one
+    depth, deepest first, one loop per segment; KLOOP 1: the list in channel order, a branch per
+    channel to its depth's body. Either way the body is specialized to the depth: per channel and row
+    exactly t byte loads with no masks (plane j into byte j of an int64), one bit transpose (8x8; 4x8
+    for t <= 4) giving the 8 tokens' codes (plane j at bit j), 8 lookups in row t of the
+    bit-reversed float32 table (``tabf``) and 8 x G float32 FMAs with w = q~ sigma_K (``wf``, G
+    contiguous weights per channel). No MMA, no operand shuffles, no
     hi/lo split; float32 throughout, like the reference reader."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -583,21 +603,16 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
                     acc6, acc7, G, D, W, NB, W - tt)
             start += n_t
     else:  # kord in channel order (neighbouring channels share L1 lines); a branch per depth
-        NCODE: tl.constexpr = 1 << W
         for i in range(_load_scalar(segs)):
             ent = _load_scalar(lrow + i)
             c = ent & 0xFF
             t = ent >> 8
             for tt in tl.static_range(1, W + 1):
                 if t == tt:
-                    lo, hi = _plane_words_u(kb_ptr, rbase, c, D, tt, NB)
-                    if tt > 4:
-                        lo, hi = _transpose8_32(lo, hi)
-                    else:
-                        lo, hi = _transpose4_32(lo)
-                    z = tl.load(tabf_ptr + tt * NCODE + _bytes8(lo, hi))
-                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
-                        z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G)
+                    lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, tt, 0, False)
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
+                        lo, hi, tabf_ptr + tt * (1 << W), wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5,
+                        acc6, acc7, G, tt)
     kk = _bytes8(tl.full([M], 0x03020100, tl.uint32), tl.full([M], 0x07060504, tl.uint32))  # [M, 8]: column index
     pos = (pg * P + byte * 8)[:, None] + kk
     sidx = q0 * NSPLIT + split
@@ -1092,19 +1107,8 @@ def _v_tile_f(vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, b
     tp = tl.where(em, tp, 0)
     page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
     p0 = vb_ptr + (page * W * P + tp % P) * NB8 + bcol  # plane 0
-    lo = tl.zeros(tp.shape, dtype=tl.uint32)
-    hi = tl.zeros(tp.shape, dtype=tl.uint32)
-    for j in tl.static_range(NPL):
-        bj = tl.load(p0 + j * (P * NB8), mask=st > j, other=0).to(tl.uint32)
-        if j < 4:
-            lo = lo | (bj << (8 * j))
-        else:
-            hi = hi | (bj << (8 * (j - 4)))
-    if NPL > 4:
-        lo, hi = _transpose8_32(lo, hi)
-    else:
-        lo, hi = _transpose4_32(lo)
-    z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _bytes8(lo, hi))  # [F, 8]
+    lo, hi = _pack_planes(p0, P * NB8, NPL, st, True)
+    z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _codes(lo, hi, NPL))  # [F, 8]
     acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
     if G > 1:
         acc1 = _v_fma(acc1, z, lrow + TMAX, tp, em, _pick(mg, gg, 1), _pick(izs, gg, 1))

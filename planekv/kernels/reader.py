@@ -123,7 +123,7 @@ class Plan:
     wf: torch.Tensor  # [B, Hkv, d, G] f32: q~ * sigma_K, a channel's G query heads side by side
     base: torch.Tensor  # [B, Hq] f32: q~ . mu_K
     kdep: torch.Tensor  # [B, Hkv, d] i32: Key channel depths
-    kord: torch.Tensor  # [B, Hkv, d] i32: channels of depth > 0 by depth, deepest first (depth << 8 | channel)
+    kord: torch.Tensor  # [B, Hkv, d] i32: channels of depth > 0 (depth << 8 | channel); order: key_loop
     kcnt: torch.Tensor  # [B * Hkv, KSEG_WORDS] i32: [0] how many, [t] how many of depth t
     logits: torch.Tensor  # [B, Hq, T] f32 (scaled)
     mstat: torch.Tensor  # [B, Hq, S] f32
@@ -207,10 +207,10 @@ class TritonReader:
         # compaction): 1024-token blocks, so 8 warps hold 4 tokens per thread (KERNEL_NOTES run 35)
         self.alloc_warps = alloc_warps
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
-        # the FMA Key stage's channel walk (None: by step size, see _key_loop)
-        self.key_loop: int | None = key_loop
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
+        # the FMA Key stage's channel walk (None: by step size, see _key_loop)
+        self.key_loop: int | None = key_loop
         pol = self.policy
         ref_only = pol.reference_only_options()
         if ref_only:
@@ -361,7 +361,8 @@ class TritonReader:
 
     def _cap(self, max_tokens: int) -> int:
         """Candidate keys kept per group (a power of two): measured brackets held 0.6% of the keys
-        (run 33), so 32768 covers a group of ~5M keys; fewer when the group has fewer keys."""
+        with 2048-bin histograms (run 33; 8192 bins since run 36 narrow them further), so 32768
+        covers a group of ~5M keys; fewer when the group has fewer keys."""
         if self._cand_cap is not None:
             return self._cand_cap
         return max(16, min(32768, next_pow2(self.ks_v * self.hg * max_tokens)))
