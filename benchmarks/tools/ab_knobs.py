@@ -4,7 +4,8 @@
         --systems readkv-flex-r2 --set prep_warps=4 --set prep_warps=16
 
 Each ``--set name=value[,name=value]`` is one variant: a reader built as the benchmark builds it,
-with those attributes overridden before planning. Median of graph replays (planekv.kernels.bench).
+with those attributes overridden before planning (``pages_per_program`` and ``block_tokens`` go to
+``plan()`` instead). Median of graph replays (planekv.kernels.bench).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import json
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _gen, _policy, _time_graphs
+from planekv.kernels.bench import SHAPES, _check, _gen, _policy, _time_graphs, _timeline
 from planekv.kernels.reader import TritonReader
+
+PLAN_ARGS = ("pages_per_program", "block_tokens")
 
 
 def _variant(spec: str) -> dict[str, int | float | str]:
@@ -38,6 +41,9 @@ def main() -> int:
     ap.add_argument("--systems", nargs="+", default=["readkv-flex-r2"])
     ap.add_argument("--set", action="append", default=[], dest="variants")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--timeline", action="store_true", help="also each variant's per-kernel GPU time")
+    ap.add_argument("--check", action="store_true", help="also each variant against the reference reader "
+                    "(depth differences, output error; the first two sequences)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -58,16 +64,27 @@ def main() -> int:
                     if pol is None:
                         raise SystemExit(f"unknown system {system}")
                     reader = TritonReader(data.codec, pol)
-                for k, v in _variant(spec).items():
+                var = _variant(spec)
+                plan_kw = {k: var.pop(k) for k in PLAN_ARGS if k in var}
+                for k, v in var.items():
                     if not hasattr(reader, k):
                         raise SystemExit(f"TritonReader has no attribute {k!r}")
                     setattr(reader, k, v)
-                plan = reader.plan(shape.batch, shape.tokens, dev)
-                ms, _ = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
+                plan = reader.plan(shape.batch, shape.tokens, dev, **plan_kw)
+                ms, graphs = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
                                                                            d.cache.v_pool[0], d.page_table,
                                                                            d.lengths, 0)], args.reps)
-                rows.append({"shape": name, "system": system, "variant": spec, "ms": ms, "sdpa_ms": sdpa})
+                row = {"shape": name, "system": system, "variant": spec, "ms": ms, "sdpa_ms": sdpa}
                 print(f"{name} {system} [{spec or 'default'}] {ms:.4f} ms x{ms / sdpa:.3f} SDPA")
+                if args.check:
+                    row["check"] = chk = _check(reader, plan, data, data.codec)
+                    print("  check " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                                                  for k, v in chk.items()))
+                if args.timeline and graphs:
+                    row["timeline"] = tl = _timeline(graphs[0])
+                    print(f"  graph {tl['graph_us']} us, kernels {tl['kernel_sum_us']} us: " + ", ".join(
+                        f"{k} {n:g}x {us:g}" for k, (n, us) in tl["kernels_us"].items()))
+                rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -182,14 +182,17 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   SLOTS="i32", TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
                             sass_dir=sd, tag=t)
-            for kloop in (0, 1):
+            # the FMA Key stage: both walks of 1024-token programs, and the small steps' 256-token
+            # programs that decode 4 channels at a time
+            for kloop, ppk, ch in ((0, 16, 1), (1, 16, 1), (0, 4, 4)):
                 if name != "cons" and want(K._key_stage_f):
                     compile_one(K._key_stage_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kord_ptr=P32, kcnt_ptr=P32,
                                                      wf_ptr=PI, base_ptr=PI, tabf_ptr=PI, logit_ptr=PI,
                                                      mstat_ptr=PI, sstat_ptr=PI, scale="fp32", SLOTS="i32",
                                                      TMAX="i32"),
-                                dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=16, KLOOP=kloop), num_warps=nw,
-                                sass_dir=sd, tag=f"{t}-k{kloop}")
+                                dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, PPK=ppk, KLOOP=kloop, CH=ch),
+                                num_warps=max(1, min(nw, ch * ppk * 64 // 256)), sass_dir=sd,
+                                tag=f"{t}-k{kloop}" + (f"c{ch}" if ch > 1 else ""))
             vc = dict(D=d, W=8, BLK=1024, KS=ks_v, KS_PAD=kspv, MIN_V=min_v, PACKET=pk)
             if not fixed:  # the Key-refinement stage (both readers)
                 compile_refine(hq, hk, hg, hgp, g, g2, d, radix_passes, nw, sd, t, want)
@@ -198,9 +201,11 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                     for two_pass in (False, True):
                         compile_one(K._value_hist, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32,
                                                         r_ptr=PI, vimp_ptr=PI, hist_ptr=P32, hw_ptr=PI, ihist_ptr=P32,
-                                                        TMAX="i32", NSK="i32"),
+                                                        TMAX="i32", NSK="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
                                     dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v,
-                                         KS_PAD=kspv, HEAD_WEIGHT=True, TWO_PASS=two_pass),
+                                         KS_PAD=kspv, HEAD_WEIGHT=True, TWO_PASS=two_pass, USE_RATE=True, D=d,
+                                         W=8, MIN_V=min_v, PACKET=pk, FUSED=not two_pass,
+                                         HWIN=256 if two_pass else 0),
                                     num_warps=nw, sass_dir=sd, tag=t + ("-2pass" if two_pass else ""))
                 for pas in radix_passes:
                     for gated in (False, True):
@@ -208,12 +213,12 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                             compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32,
                                                              cmeta_ptr=P32, TMAX="i32", RATE="fp64", BK="i32",
                                                              BV_FIXED="i32", NBLK="i32"),
-                                        dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=gated, **vc),
+                                        dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=gated, FUSED=True, **vc),
                                         num_warps=nw, sass_dir=sd, tag=f"{t}p{pas}" + ("g" if gated else ""))
                 if want(K._value_radix):  # the gated pass 1 (two-pass allocation's fall back)
                     compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, cmeta_ptr=P32,
                                                      TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32", NBLK="i32"),
-                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, **vc), num_warps=nw,
+                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, **vc), num_warps=nw,
                                 sass_dir=sd, tag=f"{t}p1")
                 compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
                 if want(K._value_ties):

@@ -41,10 +41,12 @@ RBITS = tl.constexpr(4)
 NBINS = tl.constexpr(16)
 NPASS = tl.constexpr(8)
 # int32 words per group: 8 histograms of 16 bins, then per pass the digits chosen so far and the keys
-# still to take among those that match them (written by _radix_select after each pass)
-HSTRIDE = tl.constexpr(16 * 8 + 2 * 8)
+# still to take among those that match them (written by the selection after each pass), then per
+# pass a count of the programs that have added to its histogram (the last one selects: _arrive)
+HSTRIDE = tl.constexpr(16 * 8 + 2 * 8 + 8)
 SELBASE = tl.constexpr(16 * 8)
-HIST_STRIDE = 16 * 8 + 2 * 8
+CNTBASE = tl.constexpr(16 * 8 + 2 * 8)
+HIST_STRIDE = 16 * 8 + 2 * 8 + 8
 # two-pass Value allocation (planekv.kernels.alloc2): per head an 8192-bin histogram of the
 # importances' top 13 bits (exponent and 5 mantissa bits), per group their summed suffix sums; 8 words
 # of state
@@ -83,11 +85,12 @@ def _v_count(T, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, D: tl.constexpr, W: 
 
 
 @triton.jit
-def _select_digit(hist_ptr, NB: tl.constexpr, need):
+def _select_digit(hist_ptr, NB: tl.constexpr, need, VOLATILE: tl.constexpr = False):
     """Digit D of the need-th largest key given a histogram of that digit (keys that matched the
-    prefix so far), and how many keys of digit D are still to be taken."""
+    prefix so far), and how many keys of digit D are still to be taken. VOLATILE: the histogram is
+    read past the L1 (other programs of the same launch added to it: :func:`_arrive`)."""
     idx = tl.arange(0, NB)
-    h = tl.load(hist_ptr + idx)
+    h = tl.load(hist_ptr + idx, volatile=VOLATILE)
     total = tl.sum(h, 0)
     ge = total - tl.cumsum(h, 0) + h  # keys with digit >= idx
     dsel = tl.max(tl.where(ge >= need, idx, -1), 0)
@@ -112,17 +115,34 @@ def _radix_select(hist_ptr, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE: tl
         b = grp // (HKV // HG)
         T = _load_scalar(len_ptr + b)
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-        hbase = hist_ptr + grp * HSTRIDE
-        if PASS == 1:
-            pref = count * 0
-            rem = tl.maximum(count, 1)
-        else:
-            pref = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))
-            rem = _load_scalar(hbase + SELBASE + 2 * (PASS - 2) + 1)
-        dsel, rem = _select_digit(hbase + (PASS - 1) * NBINS, NBINS, rem)
-        pref = (pref << min(RBITS, 31 - RBITS * (PASS - 1))) | dsel
-        tl.store(hbase + SELBASE + 2 * (PASS - 1), pref)
-        tl.store(hbase + SELBASE + 2 * (PASS - 1) + 1, rem)
+        _select_pass(hist_ptr + grp * HSTRIDE, count, PASS, False)
+
+
+@triton.jit
+def _select_pass(hbase, count, PASS: tl.constexpr, VOLATILE: tl.constexpr):
+    """The selection after radix pass PASS for the group whose words start at ``hbase``."""
+    if PASS == 1:
+        pref = count * 0
+        rem = tl.maximum(count, 1)
+    else:
+        pref = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))
+        rem = _load_scalar(hbase + SELBASE + 2 * (PASS - 2) + 1)
+    dsel, rem = _select_digit(hbase + (PASS - 1) * NBINS, NBINS, rem, VOLATILE)
+    pref = (pref << min(RBITS, 31 - RBITS * (PASS - 1))) | dsel
+    tl.store(hbase + SELBASE + 2 * (PASS - 1), pref)
+    tl.store(hbase + SELBASE + 2 * (PASS - 1) + 1, rem)
+
+
+@triton.jit
+def _arrive(hbase, count, n_prog, PASS: tl.constexpr):
+    """A program's arrival after its share of radix pass PASS, in place of a :func:`_radix_select`
+    launch: the last of the group's ``n_prog`` programs to arrive runs the selection. The barrier
+    orders every thread's histogram adds before thread 0's acq_rel increment (the pattern of a
+    grid-wide reduction's last block); the last program reads the histogram with volatile loads.
+    ``_prep`` zeroes the counters every step."""
+    tl.debug_barrier()
+    if tl.atomic_add(hbase + CNTBASE + (PASS - 1), 1, sem="acq_rel") == n_prog - 1:
+        _select_pass(hbase, count, PASS, True)
 
 
 @triton.jit
@@ -226,10 +246,11 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     # search, 11 steps of 7 counts, measured slower for groups of 8 heads: 32 -> 36 us at B=32, run 38.)
     lo = tl.zeros([], dtype=tl.int32) - 1
     hi = tl.zeros([], dtype=tl.int32) + 0x7F800000
+    keyf = tl.reshape(key, [KS_PAD * N])  # one reduction per step, not one per axis
     for _ in range(32):
         live = hi - lo > 1
         mid = lo + (hi - lo) // 2
-        less = tl.sum(tl.sum((key > mid).to(tl.int32), 1), 0) < count_k
+        less = tl.sum((keyf > mid).to(tl.int32), 0) < count_k
         hi, lo = tl.where(live & less, mid, hi), tl.where(live & ~less, mid, lo)
     lam = tl.where(count_k > 0, hi, 0x7FFFFFFF)
     strict = key > lam
@@ -261,6 +282,8 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     # this group's radix histograms start at zero every step
     zi = tl.arange(0, NBINS * NPASS)
     tl.store(hist_ptr + pid * HSTRIDE + zi, tl.zeros([NBINS * NPASS], tl.int32))
+    zc = tl.arange(0, NPASS)
+    tl.store(hist_ptr + pid * HSTRIDE + CNTBASE + zc, tl.zeros([NPASS], tl.int32))
     if RHW > 0:
         zr = tl.arange(0, RHW)
         tl.store(rhist_ptr + pid * RHW + zr, tl.zeros([RHW], tl.int32))
@@ -550,10 +573,56 @@ def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, ac
 
 
 @triton.jit
+def _w_fma(acc, z, wp, live):
+    """acc [R, 8] += z * w with one weight per row (``wp``: [R] pointers; rows not ``live``: 0)."""
+    return acc + z * tl.where(live, tl.load(wp), 0.0)[:, None]
+
+
+@triton.jit
+def _key_segment_ch(kb_ptr, rbase, slot, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5,
+                    acc6, acc7, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
+                    T: tl.constexpr, CH: tl.constexpr):
+    """:func:`_key_segment` CH channels at a time: row r of the program's CH x M rows decodes channel
+    kord[i + r // M] for the token row r % M (``slot`` = r // M), so that a program of few token
+    rows (small steps: B = 1) keeps CH channels' loads in flight instead of one. Past the segment's
+    end a slot re-reads its last channel with weight 0."""
+    trow = tabf_ptr + T * (1 << W)
+    for i in range(start, end, CH):
+        ci = i + slot
+        live = ci < end
+        c = tl.load(lrow + tl.minimum(ci, end - 1)) & 0xFF
+        lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
+        z = tl.load(trow + _codes(lo, hi, T))  # [R, 8]
+        wp = wrow + c * G
+        acc0 = _w_fma(acc0, z, wp, live)
+        if G > 1:
+            acc1 = _w_fma(acc1, z, wp + 1, live)
+        if G > 2:
+            acc2 = _w_fma(acc2, z, wp + 2, live)
+        if G > 3:
+            acc3 = _w_fma(acc3, z, wp + 3, live)
+        if G > 4:
+            acc4 = _w_fma(acc4, z, wp + 4, live)
+        if G > 5:
+            acc5 = _w_fma(acc5, z, wp + 5, live)
+        if G > 6:
+            acc6 = _w_fma(acc6, z, wp + 6, live)
+        if G > 7:
+            acc7 = _w_fma(acc7, z, wp + 7, live)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _slot_sum(acc, CH: tl.constexpr, M: tl.constexpr):
+    """[CH x M, 8] partial sums of the channel slots -> [M, 8]."""
+    return tl.sum(tl.reshape(acc, (CH, M, 8)), 0)
+
+
+@triton.jit
 def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, tabf_ptr, logit_ptr,
                  mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                 P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr):
+                 P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr, CH: tl.constexpr = 1):
     """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
     (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
     the list of the head's channels of depth t > 0 that ``_prep`` writes (kord; kcnt: KSEG words per
@@ -565,7 +634,8 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     for t <= 4) giving the 8 tokens' codes (plane j at bit j), 8 lookups in row t of the
     bit-reversed float32 table (``tabf``) and 8 x G float32 FMAs with w = q~ sigma_K (``wf``, G
     contiguous weights per channel). No MMA, no operand shuffles, no
-    hi/lo split; float32 throughout, like the reference reader."""
+    hi/lo split; float32 throughout, like the reference reader. CH > 1 (KLOOP 0, small steps): CH
+    channels of a segment at a time (:func:`_key_segment_ch`), the slots' sums added at the end."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -574,22 +644,24 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     n_pages = tl.cdiv(T, P)
     NB: tl.constexpr = P // 8
     M: tl.constexpr = PPK * NB
+    R: tl.constexpr = CH * M  # rows: channel slot r // M, token row r % M
     NSPLIT = tl.num_programs(1)
-    mm = tl.arange(0, M)
+    rr = tl.arange(0, R)
+    mm = rr % M
     pg = split * PPK + mm // NB
     byte = mm % NB
     pvalid = pg < n_pages
     page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pvalid, other=0).to(tl.int64)
-    rbase = page * (W * D * NB) + byte  # [M]: plane 0, channel 0 of each row
+    rbase = page * (W * D * NB) + byte  # [R]: plane 0, channel 0 of each row
     q0 = b * HQ + h * G
-    acc0 = tl.zeros([M, 8], dtype=tl.float32)
-    acc1 = tl.zeros([M, 8], dtype=tl.float32)
-    acc2 = tl.zeros([M, 8], dtype=tl.float32)
-    acc3 = tl.zeros([M, 8], dtype=tl.float32)
-    acc4 = tl.zeros([M, 8], dtype=tl.float32)
-    acc5 = tl.zeros([M, 8], dtype=tl.float32)
-    acc6 = tl.zeros([M, 8], dtype=tl.float32)
-    acc7 = tl.zeros([M, 8], dtype=tl.float32)
+    acc0 = tl.zeros([R, 8], dtype=tl.float32)
+    acc1 = tl.zeros([R, 8], dtype=tl.float32)
+    acc2 = tl.zeros([R, 8], dtype=tl.float32)
+    acc3 = tl.zeros([R, 8], dtype=tl.float32)
+    acc4 = tl.zeros([R, 8], dtype=tl.float32)
+    acc5 = tl.zeros([R, 8], dtype=tl.float32)
+    acc6 = tl.zeros([R, 8], dtype=tl.float32)
+    acc7 = tl.zeros([R, 8], dtype=tl.float32)
     lrow = kord_ptr + pid_bh * D
     wrow = wf_ptr + pid_bh * D * G
     segs = kcnt_ptr + pid_bh * KSEG
@@ -598,11 +670,17 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
         for tt in tl.static_range(W):
             n_t = _load_scalar(segs + W - tt)
             if n_t > 0:
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment(
-                    kb_ptr, rbase, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3, acc4, acc5,
-                    acc6, acc7, G, D, W, NB, W - tt)
+                if CH > 1:
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment_ch(
+                        kb_ptr, rbase, rr // M, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3,
+                        acc4, acc5, acc6, acc7, G, D, W, NB, W - tt, CH)
+                else:
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment(
+                        kb_ptr, rbase, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3, acc4,
+                        acc5, acc6, acc7, G, D, W, NB, W - tt)
             start += n_t
     else:  # kord in channel order (neighbouring channels share L1 lines); a branch per depth
+        tl.static_assert(CH == 1, "the channel-order walk takes one channel at a time")
         for i in range(_load_scalar(segs)):
             ent = _load_scalar(lrow + i)
             c = ent & 0xFF
@@ -613,6 +691,18 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
                         lo, hi, tabf_ptr + tt * (1 << W), wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5,
                         acc6, acc7, G, tt)
+    if CH > 1:  # the channel slots' partial sums; positions of the M token rows
+        acc0 = _slot_sum(acc0, CH, M)
+        acc1 = _slot_sum(acc1, CH, M)
+        acc2 = _slot_sum(acc2, CH, M)
+        acc3 = _slot_sum(acc3, CH, M)
+        acc4 = _slot_sum(acc4, CH, M)
+        acc5 = _slot_sum(acc5, CH, M)
+        acc6 = _slot_sum(acc6, CH, M)
+        acc7 = _slot_sum(acc7, CH, M)
+        m1 = tl.arange(0, M)
+        pg = split * PPK + m1 // NB
+        byte = m1 % NB
     kk = _bytes8(tl.full([M], 0x03020100, tl.uint32), tl.full([M], 0x07060504, tl.uint32))  # [M, 8]: column index
     pos = (pg * P + byte * 8)[:, None] + kk
     sidx = q0 * NSPLIT + split
@@ -688,9 +778,15 @@ def _keys(bimp, r_ptr, KS: tl.constexpr, KS_PAD: tl.constexpr):
 def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_ptr, hw_ptr, ihist_ptr, TMAX, NSK,
                 HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
                 NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
-                HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr):
+                HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr, RATE=0.0, BK=0, BV_FIXED=0,
+                USE_RATE: tl.constexpr = False, D: tl.constexpr = 0, W: tl.constexpr = 0, MIN_V: tl.constexpr = 0,
+                PACKET: tl.constexpr = 1, FUSED: tl.constexpr = False, HWIN: tl.constexpr = 0):
     """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1 (TWO_PASS: instead,
-    the head's 8192-bin histogram of the importances' top 13 bits, one atomic add per token)."""
+    the head's 8192-bin histogram of the importances' top 13 bits, one atomic add per token). FUSED
+    (radix pass 1 only): the group's last program selects pass 1's digit (:func:`_arrive`; RATE ..
+    PACKET as :func:`_v_count` takes them). HWIN > 0 (TWO_PASS): the block's tokens in a window of HWIN
+    bins around their mean bin are counted in the block first (tl.histogram) and added with one
+    atomic per non-empty bin; the others with one atomic each (KERNEL_NOTES run 39)."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     h = pid_bh % HKV
     if blk * BLK < T:
@@ -703,8 +799,16 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
         if TWO_PASS:
             dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT
-            tl.atomic_add(ihist_ptr + (grp * (HG + 1) + hl) * IHBINS + dig, tl.full([BLK], 1, tl.int32),
-                          mask=pos < T, sem="relaxed")
+            ok = pos < T
+            hrow = ihist_ptr + (grp * (HG + 1) + hl) * IHBINS
+            if HWIN > 0:
+                center = tl.sum(tl.where(ok, dig, 0), 0) // tl.maximum(tl.sum(ok.to(tl.int32), 0), 1)
+                lo = tl.minimum(tl.maximum(center - HWIN // 2, 0), IHBINS - HWIN)
+                inwin = ok & (dig >= lo) & (dig < lo + HWIN)
+                wh = tl.histogram(tl.where(inwin, dig - lo, 0), HWIN, mask=inwin)
+                tl.atomic_add(hrow + lo + tl.arange(0, HWIN), wh, mask=wh > 0, sem="relaxed")
+                ok = ok & ~inwin
+            tl.atomic_add(hrow + dig, tl.full([BLK], 1, tl.int32), mask=ok, sem="relaxed")
         else:
             key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
             msk = kok[:, None] & (pos[None, :] < T)
@@ -712,26 +816,37 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
             hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
             bins = tl.arange(0, NBINS)
             tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
+    if FUSED and not TWO_PASS:
+        count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+        _arrive(hist_ptr + grp * HSTRIDE, count, HG * tl.num_programs(1), 1)
 
 
 @triton.jit
 def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, BV_FIXED, NBLK,
                  USE_RATE: tl.constexpr, PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr,
                  W: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, GATED: tl.constexpr):
+                 PACKET: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr = False):
     """Radix pass PASS (2..NPASS; 1 as well when GATED) over the keys that match the digits chosen
     so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed,
     on a grid of (B*Hkv, a few) programs that stride over the NBLK blocks, so that a pass with
-    nothing to do costs a few programs reading one flag instead of a full grid."""
+    nothing to do costs a few programs reading one flag instead of a full grid. FUSED: the group's
+    last program to finish selects the pass's digit (:func:`_arrive`), no :func:`_radix_select`."""
     pid_bh, blk0, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
+    hbase = hist_ptr + grp * HSTRIDE
     if GATED:
         if _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0:
             for blk in range(blk0, NBLK, tl.num_programs(1)):
                 _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE,
                              PASS, HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+            if FUSED:
+                _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
+                        HG * tl.num_programs(1), PASS)
     else:
         _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk0, T, TMAX, RATE, BK, BV_FIXED, USE_RATE, PASS, HG,
                      D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+        if FUSED:
+            _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
+                    HG * tl.num_programs(1), PASS)
 
 
 @triton.jit

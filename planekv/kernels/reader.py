@@ -151,6 +151,7 @@ class Plan:
     cmeta: torch.Tensor  # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, overflow
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
     key_loop: int = 0  # the FMA Key stage's channel walk (TritonReader._key_loop)
+    key_ch: int = 1  # channels a Key-stage program decodes at a time (4 for small steps, segment walk)
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
@@ -159,6 +160,14 @@ class Plan:
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
                 self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand)
         return sum(t.numel() * t.element_size() for t in bufs)
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200; also the figure off the GPU, so
+    that the interpreter plans what the GPU would)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 132
 
 
 class TritonReader:
@@ -207,6 +216,15 @@ class TritonReader:
         # compaction): 1024-token blocks, so 8 warps hold 4 tokens per thread (KERNEL_NOTES run 35)
         self.alloc_warps = alloc_warps
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
+        # each radix pass's selection run by the group's last program of the pass (no _radix_select
+        # launches: 8 fewer per step; KERNEL_NOTES run 39)
+        self.fused_select = True
+        # small steps (plan: fewer than two 1024-token programs per SM) decode 4 Key channels at a time
+        self.key_channels = True
+        # two-pass importance histogram: the bins of a window around each block's mean bin counted in
+        # the block first, one atomic add per non-empty bin (0: one atomic add per token). 256 measured
+        # best of 0 / 128 / 256 (KERNEL_NOTES run 39: B=32 T=32768 134 -> 101 us)
+        self.hist_window = 256
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         # the FMA Key stage's channel walk (None: by step size, see _key_loop)
@@ -271,17 +289,25 @@ class TritonReader:
     # ---- plan ----
 
     def plan(self, batch: int, max_tokens: int, device: torch.device | str, pages_per_program: int | None = None,
-             block_tokens: int = 1024) -> Plan:
+             block_tokens: int | None = None) -> Plan:
         """Buffers for steps of ``batch`` sequences of at most ``max_tokens`` tokens. The Key stage
         runs one program per ``pages_per_program`` pages of a (sequence, KV head) (default: 1024
         tokens with the FMA Key stage, one thread per 8 tokens; 4 pages with the MMA ones); the Value
-        passes one per ``block_tokens`` tokens (a multiple of the page size)."""
+        passes one per ``block_tokens`` tokens (a multiple of the page size; default 1024). Where a
+        1024-token split leaves fewer than two programs per SM (B = 1: 64 programs), both defaults
+        drop to 256 tokens (KERNEL_NOTES run 39: B=1 T=8192 0.163 -> 0.144 ms at R=2)."""
         spec = self.codec.spec
+        dev = torch.device(device)
+        small = batch * spec.n_kv_heads * math.ceil(max_tokens / 1024) < 2 * _sm_count(dev)
         if pages_per_program is None:
-            pages_per_program = max(1, 1024 // spec.page_size) if self.assembly == "fma" else 4
+            if self.assembly == "fma":
+                pages_per_program = max(1, (256 if small else 1024) // spec.page_size)
+            else:
+                pages_per_program = 4
+        if block_tokens is None:
+            block_tokens = max(spec.page_size, 256) if small else 1024
         if pages_per_program < 1 or pages_per_program & (pages_per_program - 1):
             raise ValueError(f"pages_per_program must be a power of two >= 1, got {pages_per_program}")
-        dev = torch.device(device)
         hq, hk, d, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.page_size
         if block_tokens % p:
             raise ValueError(f"block_tokens must be a multiple of the page size {p}")
@@ -298,6 +324,10 @@ class TritonReader:
         self._on(dev)
         r = self.refine
         tp = self._two_pass(batch * hk * max_tokens)
+        key_loop = self._key_loop(batch * hk * max_tokens)
+        key_ch = 1  # up to 4 channels at a time, as many as fill the warps with token rows
+        if small and key_loop == 0 and self.key_channels and self.assembly == "fma":
+            key_ch = max(1, min(4, 32 * self.num_warps // (pages_per_program * p // 8)))
 
         def opt(on: bool, *shape: int, **kw) -> torch.Tensor:
             """A stage's buffer, or a one-element placeholder when the stage is off."""
@@ -331,7 +361,7 @@ class TritonReader:
             two_pass=tp, ihist=opt(tp, groups, (self.hg + 1) * IH_BINS, **i32),
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
-            key_loop=self._key_loop(batch * hk * max_tokens),
+            key_loop=key_loop, key_ch=key_ch,
         )
 
     def _key_loop(self, tokens: int) -> int:
@@ -438,7 +468,7 @@ class TritonReader:
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
                                         HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, KLOOP=plan.key_loop,
-                                        num_warps=nw)
+                                        CH=plan.key_ch, num_warps=max(1, min(nw, plan.key_ch * self._ppk * p // 256)))
         elif self._transposing(p):
             _key_stage_t8[(b * hk, nsk)](k_pool, page_table, lengths, plan.kdep, plan.w_hi, plan.w_lo, plan.base,
                                          c["tabr"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
@@ -453,11 +483,14 @@ class TritonReader:
         if self.refine:
             self._refine(plan, k_pool, page_table, lengths, sig_k, scale, slots, g, g2, nsk_pad, groups, mark)
         if not self.fixed_depth:
-            tp = plan.two_pass
+            tp, fused = plan.two_pass, self.fused_select
             _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
                               c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
                               NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
-                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, num_warps=aw)
+                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, RATE=rate, BK=self.bk,
+                              BV_FIXED=bv_fixed, USE_RATE=use_rate, D=d, W=w, MIN_V=pol.min_depth_v,
+                              PACKET=pol.v_packet, FUSED=fused, HWIN=self.hist_window if tp else 0,
+                              num_warps=aw)
             mark("value_hist")
             gsel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
                         KS=self.ks_v)
@@ -470,16 +503,17 @@ class TritonReader:
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
                                     **gsel, num_warps=8)
                 mark("value_two_pass")
-            if not tp:
+            if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
                                          **gsel, num_warps=1)
             rgrid = (b * hk, min(nblk, GATED_SPLITS)) if tp else grid
             for pas in range(1 if tp else 2, NPASS.value + 1):
                 _value_radix[rgrid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk,
                                     bv_fixed, nblk, USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp,
-                                    **vconst, num_warps=aw)
-                _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas, GATED=tp,
-                                         **gsel, num_warps=1)
+                                    FUSED=fused, **vconst, num_warps=aw)
+                if not fused:
+                    _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas,
+                                             GATED=tp, **gsel, num_warps=1)
                 mark(f"value_radix{pas}")
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
                               USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)

@@ -66,3 +66,53 @@ def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
         TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="sort")
     with pytest.raises(ValueError, match="cand_cap"):
         TritonReader(codec, ReadPolicy.flexible(2.0), cand_cap=100)
+
+
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
+@pytest.mark.parametrize("alloc,cap", [("radix", None), ("two-pass", 2)])
+def test_selection_by_the_last_program_equals_separate_launches(name: str, alloc: str, cap: int | None) -> None:
+    """Each radix pass's selection run by the group's last program to finish (``fused_select``, the
+    default) gives the launches' lambda, depths and output, bit for bit, over several blocks and
+    groups, and again on a second step with the same plan (the arrival counters restart at zero)."""
+    policy = POLICIES[name]
+    lengths = [150, 97]
+    codec, cache, q = _setup(seed=31 + len(name), lengths=lengths)
+    got = {}
+    for fused in (False, True):
+        reader = TritonReader(codec, policy, value_alloc=alloc, cand_cap=cap)
+        reader.fused_select = fused
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        steps = []
+        for _ in range(2):
+            plan.out.fill_(float("nan"))
+            out, st = reader.decode(q, cache, 0, plan=plan)
+            steps.append((out.clone(), st.v_depths.clone(), plan.hist[:, 128:144].clone()))
+        got[fused] = steps
+    if alloc == "two-pass":  # the gated radix passes ran for the overflowing groups
+        assert bool(plan.cmeta[:, 4].bool().any())
+    for step in range(2):
+        (o0, d0, s0), (o1, d1, s1) = got[False][step], got[True][step]
+        assert torch.equal(s1, s0)  # every pass's digits and remaining count
+        assert torch.equal(d1, d0)
+        assert torch.equal(o1, o0)
+    assert torch.equal(got[True][1][0], got[True][0][0])
+
+
+def test_windowed_importance_histogram_counts_every_token_once() -> None:
+    """``hist_window``: the block-local counts of a window of bins plus the single adds of the tokens
+    outside it give the per-token histogram exactly (the same bracket, depths and output)."""
+    codec, cache, q = _setup(seed=5, lengths=[700, 333])
+    policy = ReadPolicy.flexible(2.0, 0.875)
+    got = []
+    for win in (0, 16):  # 16 bins: most tokens of a block fall outside, both paths run
+        reader = TritonReader(codec, policy, value_alloc="two-pass")
+        reader.hist_window = win
+        plan = reader.plan(2, 700, "cpu", block_tokens=128)
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        got.append((plan.ihist.clone(), st.v_depths.clone(), out.clone()))
+    (h0, d0, o0), (h1, d1, o1) = got
+    hk = cache.spec.n_kv_heads
+    per_head = h0.view(2, hk + 1, -1)[:, :hk]  # each head's histogram, then the heads' suffix sums
+    assert int(per_head.sum()) == hk * (700 + 333) and torch.equal(h1, h0)
+    assert torch.equal(d1, d0) and torch.equal(o1, o0)

@@ -34,13 +34,14 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     recs = json.loads(out.read_text())
     assert KERNELS <= {r["kernel"].split("[")[0] for r in recs}
     # 3 variants x (prep by depth segments, prep in channel order, value stage)
-    # + 2 x 4 key stages (MMA serial, MMA transposing, FMA by segments, FMA in channel order)
+    # + 2 x 5 key stages (MMA serial, MMA transposing, FMA by segments, FMA in channel order, FMA by
+    #   segments 4 channels at a time)
     # + 2 compacting value stages
     # + FMA value stages (2 x 2 + 1) + 2 value orders + 2 radix selects
     # + 2 x (hist, NPASS-1 radix passes ungated and gated, ties) + 3 others
     # + Key refinement, 2 x (score, 2 selects, NPASS-1 radix passes, ties, order, decode, stats)
     # + two-pass Value allocation, 2 x (importance histogram, gated radix pass 1, bracket, candidates, exact)
     n_radix = NPASS.value - 1
-    assert len(recs) == 3 * 3 + 8 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5
+    assert len(recs) == 3 * 3 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

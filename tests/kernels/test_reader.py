@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from planekv.kernels import TritonReader
+from planekv.kernels import reader as reader_mod
 from planekv.kernels.encode import Encoder
 from planekv.kvstore import Codec, PlaneKVCache, ReadPolicy
 from planekv.kvstore.reference import attention, readkv_decode
@@ -345,3 +346,25 @@ def test_key_loop_is_chosen_by_step_size() -> None:
     assert TritonReader(codec, fixed_depth=4)._key_loop(32 * 8 * 32768) == 0
     with pytest.raises(ValueError, match="key_loop"):
         TritonReader(codec, ReadPolicy.flexible(2.0), key_loop=2)
+
+
+@pytest.mark.parametrize("sms", [132, 1])
+def test_program_sizes_follow_the_step_size(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
+    """A step that leaves fewer than two 1024-token programs per SM (B = 1 on an H200's 132) runs
+    256-token Key and Value programs, the Key stage decoding 4 channels at a time; a larger one
+    (here: one SM) 1024-token programs, one channel at a time. Both give the reference reader's
+    depths and output."""
+    monkeypatch.setattr(reader_mod, "_sm_count", lambda dev: sms)
+    codec, cache, q = _setup(seed=8, lengths=[300, 129])
+    policy = ReadPolicy.flexible(2.0)
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    reader = TritonReader(codec, policy, key_loop=0)
+    plan = reader.plan(2, 300, "cpu")
+    small = sms == 132
+    assert (plan.key_ch, plan.n_splits, plan.n_blocks) == ((4, 2, 2) if small else (1, 1, 1))
+    plan.out.fill_(float("nan"))
+    out, st = reader.decode(q, cache, 0, plan=plan)
+    assert_same_depths(st.k_depths, rst.k_depths)
+    for b in range(2):
+        assert_same_depths(st.v_depths[b, :, : cache.length(0, b)], rst.extra["v_depths"][b], policy.v_packet)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
