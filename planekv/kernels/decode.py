@@ -810,10 +810,12 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
                 ok = ok & ~inwin
             tl.atomic_add(hrow + dig, tl.full([BLK], 1, tl.int32), mask=ok, sem="relaxed")
         else:
-            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-            msk = kok[:, None] & (pos[None, :] < T)
             SH1: tl.constexpr = 31 - RBITS
-            hist = tl.histogram(tl.reshape(key >> SH1, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
+            ok = pos < T
+            hist = tl.zeros([NBINS], dtype=tl.int32)
+            for k in tl.static_range(KS):  # one step's keys at a time: see _radix_block
+                dk = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True) >> SH1
+                hist += tl.histogram(tl.where(ok, dk, 0), NBINS, mask=ok)
             bins = tl.arange(0, NBINS)
             tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
     if FUSED and not TWO_PASS:
@@ -862,17 +864,23 @@ def _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK,
         else:
             prefix = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))  # digits of passes 1..PASS-1
         pos = blk * BLK + tl.arange(0, BLK)
+        ok = (pos < T) & (count > 0)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
-        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-        above, digit = _radix_digit(key, PASS)
-        match = above == prefix
-        msk = kok[:, None] & (pos[None, :] < T) & match & (count > 0)
-        # after the first digits most blocks hold no key under the chosen prefix: they skip the
-        # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance
-        if tl.sum(tl.sum(msk.to(tl.int32), 1), 0) > 0:
-            hist = tl.histogram(tl.reshape(digit, [KS_PAD * BLK]), NBINS, mask=tl.reshape(msk, [KS_PAD * BLK]))
-            bins = tl.arange(0, NBINS)
-            tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
+        # one step's keys at a time, as 1-D tensors: the histogram of a [KS_PAD * BLK] reshape of
+        # [KS_PAD, BLK] keys and of their mask paired values and mask differently on the GPU for
+        # KS_PAD = 4, BLK = 256 (the constrained reader at B = 1: a quarter of the counted keys were
+        # padding rows; KERNEL_NOTES run 39), which the interpreter cannot show
+        hist = tl.zeros([NBINS], dtype=tl.int32)
+        for k in tl.static_range(KS):
+            key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
+            above, digit = _radix_digit(key, PASS)
+            mk = ok & (above == prefix)
+            # after the first digits most blocks hold no key under the chosen prefix: they skip the
+            # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance
+            if tl.sum(mk.to(tl.int32), 0) > 0:
+                hist += tl.histogram(tl.where(mk, digit, 0), NBINS, mask=mk)
+        bins = tl.arange(0, NBINS)
+        tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
