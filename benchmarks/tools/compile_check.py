@@ -205,7 +205,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                     dict(HQ=hq, HKV=hk, HG=hg, G=g, G2=g2, NSK_PAD=128, BLK=1024, KS=ks_v,
                                          KS_PAD=kspv, HEAD_WEIGHT=True, TWO_PASS=two_pass, USE_RATE=True, D=d,
                                          W=8, MIN_V=min_v, PACKET=pk, FUSED=not two_pass,
-                                         HWIN=256 if two_pass else 0),
+                                         HWIN=256 if two_pass else 0, RHIST=1),
                                     num_warps=nw, sass_dir=sd, tag=t + ("-2pass" if two_pass else ""))
                 for pas in radix_passes:
                     for gated in (False, True):
@@ -213,12 +213,13 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                             compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32,
                                                              cmeta_ptr=P32, TMAX="i32", RATE="fp64", BK="i32",
                                                              BV_FIXED="i32", NBLK="i32"),
-                                        dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=gated, FUSED=True, **vc),
+                                        dict(USE_RATE=True, PASS=pas, HKV=hk, HG=hg, GATED=gated, FUSED=True, RHIST=1,
+                                             **vc),
                                         num_warps=nw, sass_dir=sd, tag=f"{t}p{pas}" + ("g" if gated else ""))
                 if want(K._value_radix):  # the gated pass 1 (two-pass allocation's fall back)
                     compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, cmeta_ptr=P32,
                                                      TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32", NBLK="i32"),
-                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, **vc), num_warps=nw,
+                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, RHIST=1, **vc), num_warps=nw,
                                 sass_dir=sd, tag=f"{t}p1")
                 compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
                 if want(K._value_ties):

@@ -780,7 +780,8 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
                 NSK_PAD: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
                 HEAD_WEIGHT: tl.constexpr, TWO_PASS: tl.constexpr, RATE=0.0, BK=0, BV_FIXED=0,
                 USE_RATE: tl.constexpr = False, D: tl.constexpr = 0, W: tl.constexpr = 0, MIN_V: tl.constexpr = 0,
-                PACKET: tl.constexpr = 1, FUSED: tl.constexpr = False, HWIN: tl.constexpr = 0):
+                PACKET: tl.constexpr = 1, FUSED: tl.constexpr = False, HWIN: tl.constexpr = 0,
+                RHIST: tl.constexpr = 0):
     """Program (b*Hkv + h, block of BLK tokens): Value importance and radix pass 1 (TWO_PASS: instead,
     the head's 8192-bin histogram of the importances' top 13 bits, one atomic add per token). FUSED
     (radix pass 1 only): the group's last program selects pass 1's digit (:func:`_arrive`; RATE ..
@@ -812,12 +813,20 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
         else:
             SH1: tl.constexpr = 31 - RBITS
             ok = pos < T
-            hist = tl.zeros([NBINS], dtype=tl.int32)
-            for k in tl.static_range(KS):  # one step's keys at a time: see _radix_block
-                dk = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True) >> SH1
-                hist += tl.histogram(tl.where(ok, dk, 0), NBINS, mask=ok)
-            bins = tl.arange(0, NBINS)
-            tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
+            if RHIST == 1:  # one histogram, masked keys in bins past NBINS: see _radix_block
+                key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+                dk = tl.where(kok[:, None] & ok[None, :], key >> SH1, NBINS)
+                hist2 = tl.histogram(tl.reshape(dk, [KS_PAD * BLK]), 2 * NBINS)
+                bins2 = tl.arange(0, 2 * NBINS)
+                tl.atomic_add(hist_ptr + grp * HSTRIDE + bins2, hist2, mask=(bins2 < NBINS) & (hist2 > 0),
+                              sem="relaxed")
+            else:
+                hist = tl.zeros([NBINS], dtype=tl.int32)
+                for k in tl.static_range(KS):  # one step's keys at a time: see _radix_block
+                    dk = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True) >> SH1
+                    hist += tl.histogram(tl.where(ok, dk, 0), NBINS, mask=ok)
+                bins = tl.arange(0, NBINS)
+                tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
     if FUSED and not TWO_PASS:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
         _arrive(hist_ptr + grp * HSTRIDE, count, HG * tl.num_programs(1), 1)
@@ -827,7 +836,7 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
 def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, BV_FIXED, NBLK,
                  USE_RATE: tl.constexpr, PASS: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr,
                  W: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr = False):
+                 PACKET: tl.constexpr, GATED: tl.constexpr, FUSED: tl.constexpr = False, RHIST: tl.constexpr = 0):
     """Radix pass PASS (2..NPASS; 1 as well when GATED) over the keys that match the digits chosen
     so far. GATED (the two-pass allocation's fall back): only in groups whose candidates overflowed,
     on a grid of (B*Hkv, a few) programs that stride over the NBLK blocks, so that a pass with
@@ -839,13 +848,13 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
         if _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0:
             for blk in range(blk0, NBLK, tl.num_programs(1)):
                 _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE,
-                             PASS, HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+                             PASS, HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET, RHIST)
             if FUSED:
                 _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
                         HG * tl.num_programs(1), PASS)
     else:
         _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk0, T, TMAX, RATE, BK, BV_FIXED, USE_RATE, PASS, HG,
-                     D, W, BLK, KS, KS_PAD, MIN_V, PACKET)
+                     D, W, BLK, KS, KS_PAD, MIN_V, PACKET, RHIST)
         if FUSED:
             _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
                     HG * tl.num_programs(1), PASS)
@@ -854,7 +863,8 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
 @triton.jit
 def _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
                  PASS: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
-                 KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
+                 KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+                 RHIST: tl.constexpr):
     """One block's share of radix pass PASS."""
     if blk * BLK < T:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
@@ -866,21 +876,33 @@ def _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK,
         pos = blk * BLK + tl.arange(0, BLK)
         ok = (pos < T) & (count > 0)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
-        # one step's keys at a time, as 1-D tensors: the histogram of a [KS_PAD * BLK] reshape of
-        # [KS_PAD, BLK] keys and of their mask paired values and mask differently on the GPU for
-        # KS_PAD = 4, BLK = 256 (the constrained reader at B = 1: a quarter of the counted keys were
-        # padding rows; KERNEL_NOTES run 39), which the interpreter cannot show
-        hist = tl.zeros([NBINS], dtype=tl.int32)
-        for k in tl.static_range(KS):
-            key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
+        # The histogram of a [KS_PAD * BLK] reshape of [KS_PAD, BLK] keys with a mask reshaped
+        # alike paired values and mask differently on the GPU for KS_PAD = 4, BLK = 256 (the
+        # constrained reader at B = 1: a quarter of the counted keys were padding rows; KERNEL_NOTES
+        # run 40), which the interpreter cannot show. So no mask travels beside a reshape: RHIST 0
+        # takes one step's keys at a time as 1-D tensors; RHIST 1 one histogram of 2 NBINS bins whose
+        # upper half receives the masked keys and is not added.
+        # After the first digits most blocks hold no key under the chosen prefix: they skip the
+        # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance.
+        if RHIST == 1:
+            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
             above, digit = _radix_digit(key, PASS)
-            mk = ok & (above == prefix)
-            # after the first digits most blocks hold no key under the chosen prefix: they skip the
-            # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance
-            if tl.sum(mk.to(tl.int32), 0) > 0:
-                hist += tl.histogram(tl.where(mk, digit, 0), NBINS, mask=mk)
-        bins = tl.arange(0, NBINS)
-        tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
+            mk = kok[:, None] & ok[None, :] & (above == prefix)
+            if tl.sum(tl.sum(mk.to(tl.int32), 1), 0) > 0:
+                hist2 = tl.histogram(tl.reshape(tl.where(mk, digit, NBINS), [KS_PAD * BLK]), 2 * NBINS)
+                bins2 = tl.arange(0, 2 * NBINS)
+                tl.atomic_add(hbase + (PASS - 1) * NBINS + bins2, hist2, mask=(bins2 < NBINS) & (hist2 > 0),
+                              sem="relaxed")
+        else:
+            hist = tl.zeros([NBINS], dtype=tl.int32)
+            for k in tl.static_range(KS):
+                key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
+                above, digit = _radix_digit(key, PASS)
+                mk = ok & (above == prefix)
+                if tl.sum(mk.to(tl.int32), 0) > 0:
+                    hist += tl.histogram(tl.where(mk, digit, 0), NBINS, mask=mk)
+            bins = tl.arange(0, NBINS)
+            tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit

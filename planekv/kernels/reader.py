@@ -225,6 +225,10 @@ class TritonReader:
         # the block first, one atomic add per non-empty bin (0: one atomic add per token). 256 measured
         # best of 0 / 128 / 256 (KERNEL_NOTES run 39: B=32 T=32768 134 -> 101 us)
         self.hist_window = 256
+        # radix-pass histograms: 1 one of 2 x NBINS bins over all steps' keys (masked keys in the upper
+        # half, not added), 0 one per step of 1-D keys; both exact on the GPU, 1 faster (KERNEL_NOTES
+        # run 41: B=1 T=8192 passes 29.7 -> 25.1 us, pass 1 8.3 -> 5.6 us)
+        self.radix_hist = 1
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         # the FMA Key stage's channel walk (None: by step size, see _key_loop)
@@ -490,7 +494,7 @@ class TritonReader:
                               HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, RATE=rate, BK=self.bk,
                               BV_FIXED=bv_fixed, USE_RATE=use_rate, D=d, W=w, MIN_V=pol.min_depth_v,
                               PACKET=pol.v_packet, FUSED=fused, HWIN=self.hist_window if tp else 0,
-                              num_warps=aw)
+                              RHIST=self.radix_hist, num_warps=aw)
             mark("value_hist")
             gsel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
                         KS=self.ks_v)
@@ -510,7 +514,7 @@ class TritonReader:
             for pas in range(1 if tp else 2, NPASS.value + 1):
                 _value_radix[rgrid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk,
                                     bv_fixed, nblk, USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp,
-                                    FUSED=fused, **vconst, num_warps=aw)
+                                    FUSED=fused, RHIST=self.radix_hist, **vconst, num_warps=aw)
                 if not fused:
                     _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas,
                                              GATED=tp, **gsel, num_warps=1)

@@ -116,3 +116,21 @@ def test_windowed_importance_histogram_counts_every_token_once() -> None:
     per_head = h0.view(2, hk + 1, -1)[:, :hk]  # each head's histogram, then the heads' suffix sums
     assert int(per_head.sum()) == hk * (700 + 333) and torch.equal(h1, h0)
     assert torch.equal(d1, d0) and torch.equal(o1, o0)
+
+
+@pytest.mark.parametrize("name", ["constrained-r2", "flexible-r2-k0.3"])
+def test_radix_histogram_variants_agree(name: str) -> None:
+    """``radix_hist``: one histogram of 2 x NBINS bins over every step's keys (the masked keys in
+    the upper half, never added) and one histogram per step give the same radix histograms, digits
+    and output, over several 256-token blocks with padding steps (the constrained reader's 3 steps
+    in 4 rows)."""
+    codec, cache, q = _setup(seed=12, lengths=[700, 300])
+    got = []
+    for rh in (0, 1):
+        reader = TritonReader(codec, POLICIES[name], value_alloc="radix")
+        reader.radix_hist = rh
+        plan = reader.plan(2, 700, "cpu", block_tokens=256)
+        out, _ = reader.decode(q, cache, 0, plan=plan)
+        got.append((plan.hist[:, :144].clone(), out.clone()))
+    assert int(got[0][0][:, :16].sum()) > 0  # pass 1 counted keys
+    assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][1], got[0][1])
