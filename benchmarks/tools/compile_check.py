@@ -182,9 +182,9 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   SLOTS="i32", TMAX="i32"),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, W=8, P=64, PPK=4), num_warps=nw,
                             sass_dir=sd, tag=t)
-            # the FMA Key stage: both walks of 1024-token programs, and the small steps' 256-token
+            # the FMA Key stage: both walks of 1024-token programs, and the small steps' 128-token
             # programs that decode 4 channels at a time
-            for kloop, ppk, ch in ((0, 16, 1), (1, 16, 1), (0, 4, 4)):
+            for kloop, ppk, ch in ((0, 16, 1), (1, 16, 1), (0, 2, 4)):
                 if name != "cons" and want(K._key_stage_f):
                     compile_one(K._key_stage_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, kord_ptr=P32, kcnt_ptr=P32,
                                                      wf_ptr=PI, base_ptr=PI, tabf_ptr=PI, logit_ptr=PI,

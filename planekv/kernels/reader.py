@@ -221,6 +221,7 @@ class TritonReader:
         self.fused_select = True
         # small steps (plan: fewer than two 1024-token programs per SM) decode 4 Key channels at a time
         self.key_channels = True
+        self.key_ch_max = 4  # at most this many channels at a time (8 measured no faster, run 42)
         # two-pass importance histogram: the bins of a window around each block's mean bin counted in
         # the block first, one atomic add per non-empty bin (0: one atomic add per token). 256 measured
         # best of 0 / 128 / 256 (KERNEL_NOTES run 39: B=32 T=32768 134 -> 101 us)
@@ -298,14 +299,15 @@ class TritonReader:
         runs one program per ``pages_per_program`` pages of a (sequence, KV head) (default: 1024
         tokens with the FMA Key stage, one thread per 8 tokens; 4 pages with the MMA ones); the Value
         passes one per ``block_tokens`` tokens (a multiple of the page size; default 1024). Where a
-        1024-token split leaves fewer than two programs per SM (B = 1: 64 programs), both defaults
-        drop to 256 tokens (KERNEL_NOTES run 39: B=1 T=8192 0.163 -> 0.144 ms at R=2)."""
+        1024-token split leaves fewer than two programs per SM (B = 1: 64 programs), the Key stage
+        runs 128-token programs decoding 4 channels at a time and the Value passes 256-token blocks
+        (KERNEL_NOTES runs 39 and 42: B=1 T=8192 R=2 0.163 -> 0.124 ms)."""
         spec = self.codec.spec
         dev = torch.device(device)
         small = batch * spec.n_kv_heads * math.ceil(max_tokens / 1024) < 2 * _sm_count(dev)
         if pages_per_program is None:
             if self.assembly == "fma":
-                pages_per_program = max(1, (256 if small else 1024) // spec.page_size)
+                pages_per_program = max(1, (128 if small else 1024) // spec.page_size)
             else:
                 pages_per_program = 4
         if block_tokens is None:
@@ -331,7 +333,7 @@ class TritonReader:
         key_loop = self._key_loop(batch * hk * max_tokens)
         key_ch = 1  # up to 4 channels at a time, as many as fill the warps with token rows
         if small and key_loop == 0 and self.key_channels and self.assembly == "fma":
-            key_ch = max(1, min(4, 32 * self.num_warps // (pages_per_program * p // 8)))
+            key_ch = max(1, min(self.key_ch_max, 32 * self.key_ch_max // (pages_per_program * p // 8)))
 
         def opt(on: bool, *shape: int, **kw) -> torch.Tensor:
             """A stage's buffer, or a one-element placeholder when the stage is off."""

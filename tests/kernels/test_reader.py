@@ -351,7 +351,7 @@ def test_key_loop_is_chosen_by_step_size() -> None:
 @pytest.mark.parametrize("sms", [132, 1])
 def test_program_sizes_follow_the_step_size(monkeypatch: pytest.MonkeyPatch, sms: int) -> None:
     """A step that leaves fewer than two 1024-token programs per SM (B = 1 on an H200's 132) runs
-    256-token Key and Value programs, the Key stage decoding 4 channels at a time; a larger one
+    128-token Key programs decoding 4 channels at a time and 256-token Value blocks; a larger one
     (here: one SM) 1024-token programs, one channel at a time. Both give the reference reader's
     depths and output."""
     monkeypatch.setattr(reader_mod, "_sm_count", lambda dev: sms)
@@ -361,7 +361,7 @@ def test_program_sizes_follow_the_step_size(monkeypatch: pytest.MonkeyPatch, sms
     reader = TritonReader(codec, policy, key_loop=0)
     plan = reader.plan(2, 300, "cpu")
     small = sms == 132
-    assert (plan.key_ch, plan.n_splits, plan.n_blocks) == ((4, 2, 2) if small else (1, 1, 1))
+    assert (plan.key_ch, plan.n_splits, plan.n_blocks) == ((4, 3, 2) if small else (1, 1, 1))
     plan.out.fill_(float("nan"))
     out, st = reader.decode(q, cache, 0, plan=plan)
     assert_same_depths(st.k_depths, rst.k_depths)
