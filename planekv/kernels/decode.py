@@ -476,24 +476,36 @@ def _transpose4_32(lo):
 
 
 @triton.jit
-def _fma_channel(z, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G: tl.constexpr):
+def _w_times(z, wp, live, PER_ROW: tl.constexpr):
+    """z * w for one query head: one weight for the whole tile (a channel's), or PER_ROW one per row
+    (``wp``: [R] pointers; rows not ``live``: 0)."""
+    if PER_ROW:
+        w = tl.where(live, tl.load(wp), 0.0)[:, None]
+    else:
+        w = _load_scalar(wp)
+    return z * w
+
+
+@triton.jit
+def _fma_channel(z, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G: tl.constexpr, live=0,
+                 PER_ROW: tl.constexpr = False):
     """acc_g += z * w_g for the G query heads of a KV head; ``wp`` points at the channel's G weights
-    w = q~ sigma_K (contiguous, written by ``_prep``)."""
-    acc0 += z * _load_scalar(wp)
+    w = q~ sigma_K (contiguous, written by ``_prep``); PER_ROW: a channel per row (:func:`_w_times`)."""
+    acc0 += _w_times(z, wp, live, PER_ROW)
     if G > 1:
-        acc1 += z * _load_scalar(wp + 1)
+        acc1 += _w_times(z, wp + 1, live, PER_ROW)
     if G > 2:
-        acc2 += z * _load_scalar(wp + 2)
+        acc2 += _w_times(z, wp + 2, live, PER_ROW)
     if G > 3:
-        acc3 += z * _load_scalar(wp + 3)
+        acc3 += _w_times(z, wp + 3, live, PER_ROW)
     if G > 4:
-        acc4 += z * _load_scalar(wp + 4)
+        acc4 += _w_times(z, wp + 4, live, PER_ROW)
     if G > 5:
-        acc5 += z * _load_scalar(wp + 5)
+        acc5 += _w_times(z, wp + 5, live, PER_ROW)
     if G > 6:
-        acc6 += z * _load_scalar(wp + 6)
+        acc6 += _w_times(z, wp + 6, live, PER_ROW)
     if G > 7:
-        acc7 += z * _load_scalar(wp + 7)
+        acc7 += _w_times(z, wp + 7, live, PER_ROW)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -573,12 +585,6 @@ def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, ac
 
 
 @triton.jit
-def _w_fma(acc, z, wp, live):
-    """acc [R, 8] += z * w with one weight per row (``wp``: [R] pointers; rows not ``live``: 0)."""
-    return acc + z * tl.where(live, tl.load(wp), 0.0)[:, None]
-
-
-@triton.jit
 def _key_segment_ch(kb_ptr, rbase, slot, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5,
                     acc6, acc7, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
                     T: tl.constexpr, CH: tl.constexpr):
@@ -593,22 +599,8 @@ def _key_segment_ch(kb_ptr, rbase, slot, lrow, wrow, tabf_ptr, start, end, acc0,
         c = tl.load(lrow + tl.minimum(ci, end - 1)) & 0xFF
         lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
         z = tl.load(trow + _codes(lo, hi, T))  # [R, 8]
-        wp = wrow + c * G
-        acc0 = _w_fma(acc0, z, wp, live)
-        if G > 1:
-            acc1 = _w_fma(acc1, z, wp + 1, live)
-        if G > 2:
-            acc2 = _w_fma(acc2, z, wp + 2, live)
-        if G > 3:
-            acc3 = _w_fma(acc3, z, wp + 3, live)
-        if G > 4:
-            acc4 = _w_fma(acc4, z, wp + 4, live)
-        if G > 5:
-            acc5 = _w_fma(acc5, z, wp + 5, live)
-        if G > 6:
-            acc6 = _w_fma(acc6, z, wp + 6, live)
-        if G > 7:
-            acc7 = _w_fma(acc7, z, wp + 7, live)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
+            z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G, live, True)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
@@ -810,23 +802,8 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
                 tl.atomic_add(hrow + lo + tl.arange(0, HWIN), wh, mask=wh > 0, sem="relaxed")
                 ok = ok & ~inwin
             tl.atomic_add(hrow + dig, tl.full([BLK], 1, tl.int32), mask=ok, sem="relaxed")
-        else:
-            SH1: tl.constexpr = 31 - RBITS
-            ok = pos < T
-            if RHIST == 1:  # one histogram, masked keys in bins past NBINS: see _radix_block
-                key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-                dk = tl.where(kok[:, None] & ok[None, :], key >> SH1, NBINS)
-                hist2 = tl.histogram(tl.reshape(dk, [KS_PAD * BLK]), 2 * NBINS)
-                bins2 = tl.arange(0, 2 * NBINS)
-                tl.atomic_add(hist_ptr + grp * HSTRIDE + bins2, hist2, mask=(bins2 < NBINS) & (hist2 > 0),
-                              sem="relaxed")
-            else:
-                hist = tl.zeros([NBINS], dtype=tl.int32)
-                for k in tl.static_range(KS):  # one step's keys at a time: see _radix_block
-                    dk = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True) >> SH1
-                    hist += tl.histogram(tl.where(ok, dk, 0), NBINS, mask=ok)
-                bins = tl.arange(0, NBINS)
-                tl.atomic_add(hist_ptr + grp * HSTRIDE + bins, hist, mask=hist > 0, sem="relaxed")
+        else:  # radix pass 1: every key matches the empty prefix
+            _pass_hist(bimp, pos < T, 0, r_ptr, hist_ptr + grp * HSTRIDE, 1, KS, KS_PAD, RHIST)
     if FUSED and not TWO_PASS:
         count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
         _arrive(hist_ptr + grp * HSTRIDE, count, HG * tl.num_programs(1), 1)
@@ -843,20 +820,20 @@ def _value_radix(vimp_ptr, len_ptr, r_ptr, hist_ptr, cmeta_ptr, TMAX, RATE, BK, 
     nothing to do costs a few programs reading one flag instead of a full grid. FUSED: the group's
     last program to finish selects the pass's digit (:func:`_arrive`), no :func:`_radix_select`."""
     pid_bh, blk0, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
-    hbase = hist_ptr + grp * HSTRIDE
-    if GATED:
-        if _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0:
+    if GATED:  # only in groups whose candidates overflowed
+        go = _load_scalar(cmeta_ptr + grp * CMETA + 4) != 0
+    else:
+        go = True
+    if go:
+        if GATED:
             for blk in range(blk0, NBLK, tl.num_programs(1)):
                 _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK, BV_FIXED, USE_RATE,
                              PASS, HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET, RHIST)
-            if FUSED:
-                _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
-                        HG * tl.num_programs(1), PASS)
-    else:
-        _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk0, T, TMAX, RATE, BK, BV_FIXED, USE_RATE, PASS, HG,
-                     D, W, BLK, KS, KS_PAD, MIN_V, PACKET, RHIST)
+        else:
+            _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk0, T, TMAX, RATE, BK, BV_FIXED, USE_RATE, PASS,
+                         HG, D, W, BLK, KS, KS_PAD, MIN_V, PACKET, RHIST)
         if FUSED:
-            _arrive(hbase, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
+            _arrive(hist_ptr + grp * HSTRIDE, _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS),
                     HG * tl.num_programs(1), PASS)
 
 
@@ -874,35 +851,51 @@ def _radix_block(vimp_ptr, r_ptr, hist_ptr, pid_bh, grp, blk, T, TMAX, RATE, BK,
         else:
             prefix = _load_scalar(hbase + SELBASE + 2 * (PASS - 2))  # digits of passes 1..PASS-1
         pos = blk * BLK + tl.arange(0, BLK)
-        ok = (pos < T) & (count > 0)
         bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=pos < T, other=0.0)
-        # The histogram of a [KS_PAD * BLK] reshape of [KS_PAD, BLK] keys with a mask reshaped
-        # alike paired values and mask differently on the GPU for KS_PAD = 4, BLK = 256 (the
-        # constrained reader at B = 1: a quarter of the counted keys were padding rows; KERNEL_NOTES
-        # run 40), which the interpreter cannot show. So no mask travels beside a reshape: RHIST 0
-        # takes one step's keys at a time as 1-D tensors; RHIST 1 one histogram of 2 NBINS bins whose
-        # upper half receives the masked keys and is not added.
-        # After the first digits most blocks hold no key under the chosen prefix: they skip the
-        # histogram (O(keys x bins) as Triton lowers it) and cost one read of their importance.
-        if RHIST == 1:
-            key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
-            above, digit = _radix_digit(key, PASS)
-            mk = kok[:, None] & ok[None, :] & (above == prefix)
-            if tl.sum(tl.sum(mk.to(tl.int32), 1), 0) > 0:
-                hist2 = tl.histogram(tl.reshape(tl.where(mk, digit, NBINS), [KS_PAD * BLK]), 2 * NBINS)
-                bins2 = tl.arange(0, 2 * NBINS)
-                tl.atomic_add(hbase + (PASS - 1) * NBINS + bins2, hist2, mask=(bins2 < NBINS) & (hist2 > 0),
-                              sem="relaxed")
+        _pass_hist(bimp, (pos < T) & (count > 0), prefix, r_ptr, hbase + (PASS - 1) * NBINS, PASS, KS, KS_PAD,
+                   RHIST)
+
+
+@triton.jit
+def _pass_hist(bimp, ok, prefix, r_ptr, dst, PASS: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr,
+               RHIST: tl.constexpr):
+    """Adds to ``dst`` (NBINS words) the histogram of radix pass PASS's digit over the keys
+    imp x r_k of the tokens ``ok`` (importances ``bimp``) whose digits of the earlier passes are
+    ``prefix``.
+
+    The histogram of a [KS_PAD * BLK] reshape of [KS_PAD, BLK] keys with a mask reshaped alike
+    paired values and mask differently on the GPU for KS_PAD = 4, BLK = 256 (the constrained reader
+    at B = 1: a quarter of the counted keys were padding rows; KERNEL_NOTES run 39), which the
+    interpreter cannot show. So no mask travels beside a reshape: RHIST 1 takes one histogram of
+    2 NBINS bins whose upper half receives the masked keys and is not added; RHIST 0 one step's keys
+    at a time as 1-D tensors. After the first digits most blocks hold no key under the chosen
+    prefix: from pass 2 they skip the histogram (O(keys x bins) as Triton lowers it)."""
+    if RHIST == 1:
+        key, kok = _keys(bimp, r_ptr, KS, KS_PAD)
+        above, digit = _radix_digit(key, PASS)
+        mk = kok[:, None] & ok[None, :] & (above == prefix)
+        if PASS > 1:  # (in pass 1 every key matches)
+            go = tl.sum(tl.sum(mk.to(tl.int32), 1), 0) > 0
         else:
-            hist = tl.zeros([NBINS], dtype=tl.int32)
-            for k in tl.static_range(KS):
-                key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
-                above, digit = _radix_digit(key, PASS)
-                mk = ok & (above == prefix)
-                if tl.sum(mk.to(tl.int32), 0) > 0:
-                    hist += tl.histogram(tl.where(mk, digit, 0), NBINS, mask=mk)
-            bins = tl.arange(0, NBINS)
-            tl.atomic_add(hbase + (PASS - 1) * NBINS + bins, hist, mask=hist > 0, sem="relaxed")
+            go = True
+        if go:
+            hist2 = tl.histogram(tl.reshape(tl.where(mk, digit, NBINS), [KS_PAD * bimp.shape[0]]), 2 * NBINS)
+            bins2 = tl.arange(0, 2 * NBINS)
+            tl.atomic_add(dst + bins2, hist2, mask=(bins2 < NBINS) & (hist2 > 0), sem="relaxed")
+    else:
+        hist = tl.zeros([NBINS], dtype=tl.int32)
+        for k in tl.static_range(KS):
+            key = (bimp * _load_scalar(r_ptr + k)).to(tl.int32, bitcast=True)
+            above, digit = _radix_digit(key, PASS)
+            mk = ok & (above == prefix)
+            if PASS > 1:
+                go = tl.sum(mk.to(tl.int32), 0) > 0
+            else:
+                go = True
+            if go:
+                hist += tl.histogram(tl.where(mk, digit, 0), NBINS, mask=mk)
+        bins = tl.arange(0, NBINS)
+        tl.atomic_add(dst + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit

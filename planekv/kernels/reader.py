@@ -331,7 +331,7 @@ class TritonReader:
         r = self.refine
         tp = self._two_pass(batch * hk * max_tokens)
         key_loop = self._key_loop(batch * hk * max_tokens)
-        key_ch = 1  # up to 4 channels at a time, as many as fill the warps with token rows
+        key_ch = 1  # up to key_ch_max channels at a time, as many as fill key_ch_max warps with token rows
         if small and key_loop == 0 and self.key_channels and self.assembly == "fma":
             key_ch = max(1, min(self.key_ch_max, 32 * self.key_ch_max // (pages_per_program * p // 8)))
 
