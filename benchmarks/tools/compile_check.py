@@ -219,8 +219,8 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                 if want(K._value_radix):  # the gated pass 1 (two-pass allocation's fall back)
                     compile_one(K._value_radix, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, cmeta_ptr=P32,
                                                      TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32", NBLK="i32"),
-                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, RHIST=1, **vc), num_warps=nw,
-                                sass_dir=sd, tag=f"{t}p1")
+                                dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, RHIST=1, **vc),
+                                num_warps=nw, sass_dir=sd, tag=f"{t}p1")
                 compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
                 if want(K._value_ties):
                     compile_one(K._value_ties, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,

@@ -9,7 +9,8 @@ Two candidates, each against the tree's distortion D(t) at every depth t:
    the depth, so a channel's query folds them in): the best reconstruction linear in the planes for
    the tree's encoding;
 2. *nested uniform cells* on [-c, c] (clip c) with the same least-squares additive reconstruction: a
-   different encoding, linear by construction, for several clips.
+   different encoding, linear by construction, for several clips (``UniformLinearTree``, the named
+   codebooks ``uniform-linear-c<clip>``).
 Prints D_linear(t) / D_tree(t) for t = 1..8.
 """
 
@@ -20,7 +21,7 @@ import math
 
 import numpy as np
 
-from planekv.kvstore.codebook import GaussianTree, _centroid, _mass, _second_moment
+from planekv.kvstore.codebook import GaussianTree, UniformLinearTree, _centroid, _mass, _second_moment
 
 W = 8
 
@@ -57,8 +58,7 @@ def main() -> int:
     edges = [-math.inf, *tree.thresholds(W), math.inf]
     rows = [("tree's cells, additive fit", additive_distortion(edges))]
     for c in args.clips:
-        uni = [-math.inf, *np.linspace(-c, c, (1 << W) + 1)[1:-1].tolist(), math.inf]
-        rows.append((f"nested uniform cells, clip {c:g}", additive_distortion(uni)))
+        rows.append((f"nested uniform cells, clip {c:g}", UniformLinearTree(W, c).distortion[1:]))
     print("| codebook | " + " | ".join(f"t={t}" for t in range(1, W + 1)) + " |")
     print("|---|" + "---|" * W)
     print("| Gaussian tree D(t) | " + " | ".join(f"{d:.5f}" for d in d_tree) + " |")

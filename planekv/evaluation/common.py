@@ -167,9 +167,10 @@ class Setup:
 
 def setup(model: str | None, calibration: str | os.PathLike[str] | None, device: str = "auto",
           calib_tokens: int = 16384, calib_window: int = 8192,
-          cache_dir: str | os.PathLike[str] | None = None) -> Setup:
+          cache_dir: str | os.PathLike[str] | None = None, codebook: str = "gaussian-lloyd-tree") -> Setup:
     """Load the model; load ``calibration`` (a .pt artifact) or compute it on the calibration text
-    (saved under ``cache_dir`` when given)."""
+    (saved under ``cache_dir`` when given); the format stores codes of ``codebook``
+    (``planekv.kvstore.CODEBOOKS``)."""
     from ..models.hf import format_spec, load_model
     from .calibrate import calibrate_model
 
@@ -183,7 +184,7 @@ def setup(model: str | None, calibration: str | os.PathLike[str] | None, device:
         if cache_dir:
             p = calib.save(Path(cache_dir) / f"calibration-{calib.calibration_id}.pt")
             log.info("calibration %s saved to %s", calib.calibration_id, p)
-    spec = format_spec(lm.model, calib, lm.model_id, lm.revision)
+    spec = format_spec(lm.model, calib, lm.model_id, lm.revision, codebook=codebook)
     return Setup(lm, calib, Codec(spec, calib), dev)
 
 

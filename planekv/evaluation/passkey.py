@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     from .report import write_report
 
     trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
-    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out)
+    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
+              codebook=args.codebook)
     plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates,
                       parse_k_share(args.k_share))
     t0 = time.perf_counter()
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
                       args.template, on_context=lambda r: write_json(f"{args.out}/passkey.json", r))
     res["seconds"] = time.perf_counter() - t0
     res["calibration_id"] = s.calibration.calibration_id
+    res["codebook"] = s.codec.spec.codebook
     write_json(f"{args.out}/passkey.json", res)
     write_report(args.out)
     return 0

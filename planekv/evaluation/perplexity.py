@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..kvstore import CODEBOOKS
 from .common import (
     ALL_SYSTEMS,
     RATES,
@@ -125,6 +126,8 @@ def add_setup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-share", nargs="*", default=None, metavar="R=PHI",
                    help="flexible reader K share per rate (default: the frozen dev-text choice)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
+                   help="the stored codes' codebook (a named option; FormatSpec.codebook)")
     p.add_argument("--out", required=True, help="output directory (JSON, Markdown, PNG)")
 
 
@@ -142,13 +145,15 @@ def run(args: argparse.Namespace) -> int:
     from .common import setup
     from .report import write_report
 
-    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out)
+    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
+              codebook=args.codebook)
     rows = system_rows(args.systems, args.rates, parse_k_share(args.k_share))
     t0 = time.perf_counter()
     res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk)
     res["seconds"] = time.perf_counter() - t0
     res["calibration_id"] = s.calibration.calibration_id
     res["format_id"] = s.codec.format_id
+    res["codebook"] = s.codec.spec.codebook
     write_json(f"{args.out}/perplexity.json", res)
     write_report(args.out)
     return 0

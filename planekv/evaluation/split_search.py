@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .common import setup
 
-    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out)
+    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
+              codebook=args.codebook)
     t0 = time.perf_counter()
     res = run_split_search(s, args.rates, args.grid, args.window, args.windows, args.text, args.row_chunk,
                            args.system)

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
-    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, out)
+    s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, out,
+              codebook=args.codebook)
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
     meta = {"model_id": s.lm.model_id, "model_revision": s.lm.revision,
             "calibration_id": s.calibration.calibration_id, "format_id": s.codec.format_id,

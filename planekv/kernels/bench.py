@@ -99,7 +99,8 @@ class _Data:
     lengths: torch.Tensor  # [B] int32 (device)
 
 
-def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Codec] | None) -> _Data:
+def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Codec] | None,
+         codebook: str = "gaussian-lloyd-tree") -> _Data:
     g = torch.Generator(device=dev).manual_seed(seed)
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     gen0 = torch.Generator().manual_seed(1000 + d + hk)  # distribution parameters: fixed per geometry
@@ -115,7 +116,7 @@ def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Co
     if calib is None:
         n_cal = min(t, 4096)
         spec0 = FormatSpec(model_id=f"bench-{shape.name}", n_layers=1, n_q_heads=hq, n_kv_heads=hk, head_dim=d,
-                           calibration_id="-")
+                           calibration_id="-", codebook=codebook)
         cal = calibrate(k[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
                         v[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
                         spec0.seed_k, spec0.seed_v)

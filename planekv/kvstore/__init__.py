@@ -16,7 +16,7 @@ from .accounting import (
 )
 from .allocate import greedy_allocate, ladder, threshold_allocate
 from .calibration import Calibration, CalibrationBuilder, calibrate
-from .codebook import GaussianTree, lloyd_max_levels
+from .codebook import CODEBOOKS, GaussianTree, NestedCodebook, UniformLinearTree, lloyd_max_levels, make_codebook
 from .codec import Codec
 from .errors import BudgetError, CacheFull, CalibrationError, FormatMismatch, PlaneKVError
 from .format import FormatSpec
@@ -26,10 +26,10 @@ from .stats import ReadStats
 from .transform import HadamardSign, block_sizes, hadamard_matrix
 
 __all__ = [
-    "BudgetError", "CacheFull", "Calibration", "CalibrationBuilder", "CalibrationError", "Capacity",
-    "Codec", "FormatMismatch", "FormatSpec", "GaussianTree", "HadamardSign", "PlaneKVCache",
-    "PlaneKVError", "ReadPolicy", "ReadStats", "block_sizes", "calibrate", "capacity", "capacity_for",
-    "dense_bytes", "greedy_allocate", "hadamard_matrix", "history_reads", "ladder", "lloyd_max_levels",
-    "logical_read_bits", "pack_k_page", "pack_v_page", "rate", "reference", "threshold_allocate",
-    "two_stage_workspace_bytes", "write_amortization",
+    "block_sizes", "BudgetError", "CacheFull", "calibrate", "Calibration", "CalibrationBuilder",
+    "CalibrationError", "Capacity", "capacity", "capacity_for", "CODEBOOKS", "Codec", "dense_bytes",
+    "FormatMismatch", "FormatSpec", "GaussianTree", "greedy_allocate", "hadamard_matrix", "HadamardSign",
+    "history_reads", "ladder", "lloyd_max_levels", "logical_read_bits", "make_codebook", "NestedCodebook",
+    "pack_k_page", "pack_v_page", "PlaneKVCache", "PlaneKVError", "rate", "ReadPolicy", "ReadStats",
+    "reference", "threshold_allocate", "two_stage_workspace_bytes", "UniformLinearTree", "write_amortization",
 ]

@@ -1,4 +1,5 @@
-"""The Gaussian Lloyd binary tree (DESIGN section 1, step 3).
+"""The progressive codebooks: the Gaussian Lloyd binary tree (DESIGN section 1, step 3), and a named
+option whose reconstruction is linear in the planes (:class:`UniformLinearTree`).
 
 Every node of the tree is an interval of the standard normal line. The root is the whole line and
 reconstructs to 0 (the calibrated mean). Each node splits in two at the threshold that satisfies the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -104,19 +106,27 @@ def _build(depth: int) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float
     return tuple(levels), tuple(thresholds), tuple(distortion), tuple(variances)
 
 
-class GaussianTree:
-    """Gaussian Lloyd binary tree of depth ``depth`` (1..8).
+class NestedCodebook:
+    """A progressive codebook of depth ``depth`` (1..8): binary nested cells of the standard normal
+    line, a reconstruction value per cell at every depth.
 
     Codes are W-bit integers whose most significant bit is plane 0 (the first branch); the depth-t
     node of a code is ``code >> (W - t)``, and nodes are numbered left to right, so ``levels(t)`` is
-    sorted and indexed by node.
+    sorted and indexed by node. Subclasses fill in the levels, the split thresholds, D(t) and the
+    node variances.
     """
 
-    def __init__(self, depth: int = MAX_DEPTH) -> None:
+    name = ""
+
+    def __init__(self, depth: int, levels: tuple[tuple[float, ...], ...], thresholds: tuple[tuple[float, ...], ...],
+                 distortion: tuple[float, ...], variances: tuple[tuple[float, ...], ...]) -> None:
+        self.depth = depth
+        self._levels, self._thresholds, self._distortion, self._variances = levels, thresholds, distortion, variances
+
+    @staticmethod
+    def _check_width(depth: int) -> None:
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"tree depth must be in 1..{MAX_DEPTH}, got {depth}")
-        self.depth = depth
-        self._levels, self._thresholds, self._distortion, self._variances = _build(depth)
 
     def levels(self, t: int) -> list[float]:
         """Sorted reconstruction values of the 2**t depth-t nodes (standard-normal units)."""
@@ -139,8 +149,8 @@ class GaussianTree:
 
     def variances(self, t: int) -> list[float]:
         """Var(Z | node) of the 2**t depth-t nodes, left to right (standard-normal units): the
-        conditional variance left around each reconstruction value. Tail nodes are wider, so their
-        variance is larger; ``sum_node P(node) Var(Z | node) = D(t)``."""
+        conditional variance around the node's centroid. Tail nodes are wider, so their variance is
+        larger; for centroid levels (the Gaussian tree) ``sum_node P(node) Var(Z | node) = D(t)``."""
         self._check_depth(t, 0)
         return list(self._variances[t])
 
@@ -163,23 +173,16 @@ class GaussianTree:
     def table(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Reconstruction table [depth + 1, 2**depth] (float32): ``table[t, code]`` is the value of
         the depth-t prefix of a full-depth ``code``."""
-        n = 1 << self.depth
-        codes = torch.arange(n)
-        rows = [
-            torch.tensor(self._levels[t], dtype=torch.float64)[codes >> (self.depth - t)]
-            for t in range(self.depth + 1)
-        ]
-        return torch.stack(rows).float().to(device)
+        return self._per_node(self._levels, device)
 
     def variance_table(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Conditional-variance table [depth + 1, 2**depth] (float32), laid out like :meth:`table`:
         ``variance_table()[t, code]`` is Var(Z | the depth-t node of the full-depth ``code``)."""
-        n = 1 << self.depth
-        codes = torch.arange(n)
-        rows = [
-            torch.tensor(self._variances[t], dtype=torch.float64)[codes >> (self.depth - t)]
-            for t in range(self.depth + 1)
-        ]
+        return self._per_node(self._variances, device)
+
+    def _per_node(self, vals: tuple[tuple[float, ...], ...], device: torch.device | str | None) -> torch.Tensor:
+        codes = torch.arange(1 << self.depth)
+        rows = [torch.tensor(vals[t], dtype=torch.float64)[codes >> (self.depth - t)] for t in range(self.depth + 1)]
         return torch.stack(rows).float().to(device)
 
     def _check_depth(self, t: int, lo: int, hi: int | None = None) -> None:
@@ -187,8 +190,99 @@ class GaussianTree:
         if not lo <= t <= hi:
             raise ValueError(f"depth {t} outside {lo}..{hi}")
 
+
+class GaussianTree(NestedCodebook):
+    """Gaussian Lloyd binary tree of depth ``depth`` (1..8): every split at the conditional Lloyd
+    threshold, every node reconstructs to its centroid (codebook ``gaussian-lloyd-tree``, the
+    default)."""
+
+    name = "gaussian-lloyd-tree"
+
+    def __init__(self, depth: int = MAX_DEPTH) -> None:
+        self._check_width(depth)
+        super().__init__(depth, *_build(depth))
+
     def __repr__(self) -> str:
         return f"GaussianTree(depth={self.depth})"
+
+
+@cache
+def _build_uniform_linear(depth: int, clip: float) -> tuple[Any, ...]:
+    """Nested uniform cells on [-clip, clip] (the two outer leaves extend to infinity) and, at each
+    depth t, the least-squares reconstruction additive in the t code bits: levels, split
+    thresholds, D(0..depth), node variances, and per depth (a_t, w_t) with level = a_t + w_t . bits."""
+    n = 1 << depth
+    inner = [-clip + 2.0 * clip * i / n for i in range(1, n)]
+    edges = [-math.inf, *inner, math.inf]
+    levels, thresholds, distortion, variances, weights = [], [], [], [], []
+    for t in range(depth + 1):
+        step = 1 << (depth - t)
+        nodes = [(edges[i * step], edges[(i + 1) * step]) for i in range(1 << t)]
+        mass = [_mass(a, b) for a, b in nodes]
+        cent = [_centroid(a, b) for a, b in nodes]
+        m2 = [_second_moment(a, b) for a, b in nodes]
+        # weighted least squares over the nodes: minimize sum_i m_i (c_i - a - sum_j w_j b_ij)^2, which
+        # minimizes E[(Z - Zhat_t)^2] among reconstructions additive in the bits (normal equations,
+        # float64, at most 9 unknowns)
+        x = torch.tensor([[float((i >> (t - 1 - j)) & 1) for j in range(t)] + [1.0] for i in range(1 << t)],
+                         dtype=torch.float64)
+        wm = torch.tensor(mass, dtype=torch.float64)
+        c = torch.tensor(cent, dtype=torch.float64)
+        beta = torch.linalg.solve(x.T @ (wm[:, None] * x), x.T @ (wm * c))
+        f = (x @ beta).tolist()
+        levels.append(tuple(f))
+        weights.append((float(beta[-1]), tuple(float(v) for v in beta[:-1])))
+        distortion.append(sum(mi * (si - 2.0 * fi * ci + fi * fi) for mi, si, fi, ci in zip(mass, m2, f, cent,
+                                                                                           strict=True)))
+        variances.append(tuple(_variance(a, b) for a, b in nodes))
+        if t < depth:
+            thresholds.append(tuple(edges[(2 * i + 1) * (step // 2)] for i in range(1 << t)))
+    return tuple(levels), tuple(thresholds), tuple(distortion), tuple(variances), tuple(weights)
+
+
+class UniformLinearTree(NestedCodebook):
+    """Nested uniform cells on [-clip, clip] with a reconstruction linear in the stored planes
+    (codebook ``uniform-linear-c<clip>``, a named option; issue 3's "planes as matrix operands").
+
+    Every split halves its cell (the outer cells reach to infinity), and the depth-t value of a code
+    is ``a_t + sum_{j<t} w_{t,j} b_j`` with ``b_j`` the code's bit in plane j and (a_t, w_t) the least
+    squares fit of the cells' values: so a logit sum_c q_c sigma_c zhat_c is a constant plus a
+    weighted sum of plane bits, and the planes of a tile can be an MMA operand. The price is
+    distortion: D(t) / D_tree(t) = 1.38, 1.33, 1.27, 1.31 at t = 2..5 for clip 3
+    (``benchmarks/tools/linear_codebook.py``); EVALUATION.md measures what it costs a real model."""
+
+    def __init__(self, depth: int = MAX_DEPTH, clip: float = 3.0) -> None:
+        self._check_width(depth)
+        if not 0.5 <= clip <= 8.0:
+            raise ValueError(f"clip must be in 0.5..8 (standard deviations), got {clip}")
+        self.clip = float(clip)
+        *parts, self._weights = _build_uniform_linear(depth, self.clip)
+        super().__init__(depth, *parts)
+        self.name = f"uniform-linear-c{self.clip:g}"
+
+    def linear_weights(self, t: int) -> tuple[float, list[float]]:
+        """(a_t, [w_{t,0}, ..., w_{t,t-1}]): ``levels(t)[node] = a_t + sum_j w_{t,j} bit_j(node)``,
+        with bit_j the node's j-th most significant of its t bits (plane j)."""
+        self._check_depth(t, 0)
+        a, w = self._weights[t]
+        return a, list(w)
+
+    def __repr__(self) -> str:
+        return f"UniformLinearTree(depth={self.depth}, clip={self.clip:g})"
+
+
+# Named codebooks of FormatSpec.codebook: the default Gaussian tree and the linear option at the
+# clips evaluated (EVALUATION.md)
+CODEBOOKS = ("gaussian-lloyd-tree", "uniform-linear-c3", "uniform-linear-c3.5")
+
+
+def make_codebook(name: str, depth: int = MAX_DEPTH) -> NestedCodebook:
+    """The codebook called ``name`` (one of CODEBOOKS) at ``depth``."""
+    if name == "gaussian-lloyd-tree":
+        return GaussianTree(depth)
+    if name in CODEBOOKS and name.startswith("uniform-linear-c"):
+        return UniformLinearTree(depth, float(name[len("uniform-linear-c"):]))
+    raise ValueError(f"unknown codebook {name!r}; known: {CODEBOOKS}")
 
 
 def lloyd_max_levels(bits: int, iters: int = 2000) -> tuple[list[float], list[float]]:

@@ -1,4 +1,4 @@
-"""Codec: transform, calibration and tree put together (DESIGN section 1, steps 1-4).
+"""Codec: transform, calibration and codebook (the Gaussian tree by default) put together (DESIGN section 1, steps 1-4).
 
 Write path: ``x -> x~ = M x -> z = (x~ - mu) / sigma -> W-bit leaf code`` (uint8).
 Read path: a code read at depth t reconstructs ``x~ = mu + sigma * table[t, code]``; depth 0 gives
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .calibration import Calibration
-from .codebook import GaussianTree
+from .codebook import make_codebook
 from .errors import CalibrationError, FormatMismatch
 from .format import FormatSpec
 from .transform import HadamardSign
@@ -32,7 +32,7 @@ class Codec:
                 f"calibration geometry {tuple(calibration.mu_k.shape)} != format geometry {geom}")
         self.spec = spec
         self.calibration = calibration
-        self.tree = GaussianTree(spec.width)
+        self.tree = make_codebook(spec.codebook, spec.width)  # FormatSpec.codebook: the named codebook
         self.rot_k = HadamardSign(spec.head_dim, spec.seed_k)
         self.rot_v = HadamardSign(spec.head_dim, spec.seed_v)
         self._boundaries = self.tree.boundaries()
@@ -55,7 +55,7 @@ class Codec:
 
     def variance_table(self, device: torch.device | str) -> torch.Tensor:
         """Conditional-variance table [W + 1, 2**W] (float32) on ``device``, laid out like
-        :meth:`table` (``GaussianTree.variance_table``)."""
+        :meth:`table` (``NestedCodebook.variance_table``)."""
         if self._var_table.device != torch.device(device):
             self._var_table = self._var_table.to(device)
         return self._var_table

@@ -13,10 +13,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .codebook import CODEBOOKS
 from .errors import FormatMismatch
 
 LAYOUT_VERSION = 1
-CODEBOOKS = ("gaussian-lloyd-tree",)
 POSITION_MODES = ("rope-before-cache", "none")
 
 

@@ -215,13 +215,14 @@ def _attention_modules(model: Any) -> list[Any]:
 
 
 def format_spec(model: Any, calibration: Calibration, model_id: str, revision: str = "unknown",
-                width: int = 8, page_size: int = 64) -> FormatSpec:
-    """The FormatSpec of ``model``'s PlaneKV cache under ``calibration`` (keys after RoPE)."""
+                width: int = 8, page_size: int = 64, codebook: str = "gaussian-lloyd-tree") -> FormatSpec:
+    """The FormatSpec of ``model``'s PlaneKV cache under ``calibration`` (keys after RoPE), with
+    codes of ``codebook``."""
     g = geometry(model)
     return FormatSpec(model_id=model_id, model_revision=revision, n_layers=g.n_layers, n_q_heads=g.n_q_heads,
                       n_kv_heads=g.n_kv_heads, head_dim=g.head_dim, calibration_id=calibration.calibration_id,
                       position="rope-before-cache", rope_theta=g.rope_theta, seed_k=calibration.seed_k,
-                      seed_v=calibration.seed_v, width=width, page_size=page_size)
+                      seed_v=calibration.seed_v, width=width, page_size=page_size, codebook=codebook)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ outputs within float32 tolerance, fresh random inputs, outputs poisoned before e
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -34,11 +35,13 @@ def assert_same_depths(kernel: torch.Tensor, ref: torch.Tensor, step: int = 1) -
         assert sorted(moved.tolist()) == [-step, step]
 
 
-def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64):
+def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64,
+           codebook: str = "gaussian-lloyd-tree"):
     syn = make_synthetic(n_tokens=max(lengths), n_rows=len(lengths), n_layers=1, n_q_heads=hq, n_kv_heads=hk,
                          head_dim=d, seed=seed)
-    codec = Codec(syn.spec, syn.calibration)
-    cache = PlaneKVCache(syn.spec, len(lengths))
+    spec = dataclasses.replace(syn.spec, codebook=codebook)
+    codec = Codec(spec, syn.calibration)
+    cache = PlaneKVCache(spec, len(lengths))
     kc, vc = codec.encode_k(syn.k[0], 0), codec.encode_v(syn.v[0], 0)
     for b, t in enumerate(lengths):
         cache.append(0, kc[:, :t], vc[:, :t], seq=b)
@@ -68,6 +71,25 @@ def test_reader_matches_reference(name: str) -> None:
     assert rel < (1e-3 if swapped else 1e-5), rel
 
 
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
+def test_reader_matches_reference_with_the_linear_codebook(name: str) -> None:
+    """The kernels read any named codebook through its tables and split thresholds: with the
+    linear one (uniform-linear-c3) the encode kernel writes the codec's codes and the decode step
+    gives the reference reader's depths and output (the encode kernel: the test below)."""
+    policy = POLICIES[name]
+    codec, cache, q = _setup(seed=zlib.crc32(name.encode()) % 997 + 11, lengths=[150, 97],
+                             codebook="uniform-linear-c3")
+    assert codec.tree.name == "uniform-linear-c3"
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    reader = TritonReader(codec, policy)
+    plan = reader.plan(2, 150, "cpu")
+    plan.out.fill_(float("nan"))
+    out, st = reader.decode(q, cache, 0, plan=plan)
+    assert_same_depths(st.k_depths, rst.k_depths)
+    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+
+
 @pytest.mark.parametrize("assembly", ["transpose", "fma"])
 def test_full_reader_kernel_is_attention_over_depth4(assembly: str) -> None:
     codec, cache, q = _setup(seed=7, lengths=[130])
@@ -88,12 +110,14 @@ def test_mqa_geometry() -> None:
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_encode_kernel_writes_the_reference_layout() -> None:
+@pytest.mark.parametrize("codebook", ["gaussian-lloyd-tree", "uniform-linear-c3"])
+def test_encode_kernel_writes_the_reference_layout(codebook: str) -> None:
     syn = make_synthetic(n_tokens=100, n_rows=1, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=64, seed=11)
-    codec = Codec(syn.spec, syn.calibration)
+    spec = dataclasses.replace(syn.spec, codebook=codebook)
+    codec = Codec(spec, syn.calibration)
     k = syn.k[0][None].expand(2, -1, -1, -1).contiguous()
     v = syn.v[0][None].expand(2, -1, -1, -1).contiguous()
-    ref, tri = PlaneKVCache(syn.spec, 2), PlaneKVCache(syn.spec, 2)
+    ref, tri = PlaneKVCache(spec, 2), PlaneKVCache(spec, 2)
     enc = Encoder(codec)
     for a, e in [(0, 37), (37, 38), (38, 100)]:  # prefill, one decode token, a chunk crossing a page
         ref.append(0, codec.encode_k(k[:, :, a:e], 0), codec.encode_v(v[:, :, a:e], 0))

@@ -7,6 +7,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
+
 from planekv.kernels.bench import Row, format_timeline
 from planekv.kvstore.codebook import GaussianTree
 
@@ -33,6 +35,18 @@ def test_additive_fit_of_the_tree_is_exact_to_depth_2_and_far_off_deeper() -> No
     assert abs(ratio[0] - 1) < 1e-9 and abs(ratio[1] - 1) < 1e-9
     assert 1.1 < ratio[2] < 1.25 and ratio[3] > 2 and ratio[7] > 100
     assert all(b >= a for a, b in zip(ratio[1:], ratio[2:], strict=False))  # only worse with depth
+
+
+def test_named_linear_codebook_is_the_tools_additive_fit_of_uniform_cells() -> None:
+    """UniformLinearTree (normal equations over the depth-t cells) and the tool (least squares over
+    the 2^W leaves) compute the same distortion for nested uniform cells."""
+    from planekv.kvstore import UniformLinearTree
+
+    lc = _linear_codebook()
+    for clip in (3.0, 3.5):
+        edges = [-math.inf, *[-clip + 2 * clip * i / 256 for i in range(1, 256)], math.inf]
+        tool = lc.additive_distortion(edges)
+        assert UniformLinearTree(8, clip).distortion[1:] == pytest.approx(tool, rel=1e-9)
 
 
 def test_timeline_report_lists_kernels_by_time() -> None:
