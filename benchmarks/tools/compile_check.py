@@ -24,7 +24,9 @@ from planekv.kernels import alloc2 as A2
 from planekv.kernels import decode as K
 from planekv.kernels import encode as E
 from planekv.kernels import fp8 as F
+from planekv.kernels import linear as L
 from planekv.kernels import refine as R
+from planekv.kernels.reader import MMA_WARPS
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -268,6 +270,16 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                  NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, T8=d >= 256,
                                  **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
+        if g <= 4 and want(L._lin_prep):  # the bit-product Key stage (linear codebooks)
+            compile_one(L._lin_prep, dict(kdep_ptr=P32, wf_ptr=PI, base_ptr=PI, lina_ptr=PI, linw_ptr=PI, off_ptr=P32,
+                                          vf_ptr="*fp16", nst_ptr=P32, base2_ptr=PI, SMAX="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64), num_warps=4, sass_dir=sd, tag=tag)
+        if g <= 4 and want(L._key_stage_mma):
+            compile_one(L._key_stage_mma, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, off_ptr=P32, vf_ptr=P32,
+                                               nst_ptr=P32, base_ptr=PI, logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI,
+                                               scale="fp32", SLOTS="i32", TMAX="i32", SMAX="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=MMA_WARPS, PREFETCH=2), num_warps=MMA_WARPS,
+                        sass_dir=sd, tag=tag)
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

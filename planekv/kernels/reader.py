@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats
+from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats, UniformLinearTree
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ._dispatch import check_device
@@ -39,6 +39,7 @@ from .decode import (
     _value_ties,
     next_pow2,
 )
+from .linear import _key_stage_mma, _lin_prep, linear_tables
 from .refine import (
     HIST_STRIDE_R,
     RSEL_STRIDE,
@@ -106,6 +107,10 @@ VALUE_ALLOC = ("two-pass", "radix")
 # MMAs), "serial" (bit-serial assembly feeding MMAs).
 ASSEMBLY = ("transpose", "serial", "fma")
 
+# warps (64-token pages) per program of the bit-product Key stage (KERNEL_NOTES run 46: 8 with a
+# two-step prefetch measured fastest)
+MMA_WARPS = 8
+
 
 @dataclass
 class Plan:
@@ -152,14 +157,22 @@ class Plan:
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
     key_loop: int = 0  # the FMA Key stage's channel walk (TritonReader._key_loop)
     key_ch: int = 1  # channels a Key-stage program decodes at a time (4 for small steps, segment walk)
+    # the bit-product Key stage (linear codebooks on the GPU, TritonReader.key_mma; one-element
+    # placeholders without it): per (sequence, KV head) its steps of 16 pairs in fragment order
+    key_mma: bool = False
+    lin_off: torch.Tensor | None = None  # [B*Hkv, SMAX, 16] i32: byte offsets
+    lin_v: torch.Tensor | None = None  # [B*Hkv, SMAX, 128] f16: 2^7 V hi / lo
+    lin_steps: torch.Tensor | None = None  # [B*Hkv] i32
+    lin_base: torch.Tensor | None = None  # [B, Hq] f32: base'
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
         bufs = (self.qbuf, self.qt, self.w_hi, self.w_lo, self.wf, self.base, self.kdep, self.kord, self.kcnt,
                 self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
-                self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand)
-        return sum(t.numel() * t.element_size() for t in bufs)
+                self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand,
+                self.lin_off, self.lin_v, self.lin_steps, self.lin_base)
+        return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
 
 def _sm_count(dev: torch.device) -> int:
@@ -230,6 +243,11 @@ class TritonReader:
         # half, not added), 0 one per step of 1-D keys; both exact on the GPU, 1 faster (KERNEL_NOTES
         # run 41: B=1 T=8192 passes 29.7 -> 25.1 us, pass 1 8.3 -> 5.6 us)
         self.radix_hist = 1
+        # the Key stage as a product of plane bits for codebooks linear in the planes (planekv.kernels.
+        # linear; KERNEL_NOTES run 46): on CUDA devices (inline PTX) with the FMA stages, 64-token pages,
+        # up to 4 query heads per KV head, no Key refinement; "auto" where it measured faster, True
+        # wherever it can run, False never
+        self.key_mma: bool | str = "auto"
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         # the FMA Key stage's channel walk (None: by step size, see _key_loop)
@@ -277,7 +295,7 @@ class TritonReader:
             "mu_k": c.mu_k, "sig_k": c.sigma_k, "mu_v": c.mu_v, "sig_v": c.sigma_v,
             "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
             "tab2": packed_table(codec), "tabr": reversed_table(codec), "spread": spread_table(),
-            "tabf": reversed_table_f32(codec),
+            "tabf": reversed_table_f32(codec), **self._linear_consts(codec),
             "tabw": codec.tree.table().float()[codec.width].contiguous(),  # depth W, stored code order
             "dist": torch.tensor(codec.tree.distortion, dtype=torch.float32),
             "rk": self._rk, "rv": self._rv,
@@ -285,6 +303,14 @@ class TritonReader:
         }
         self._consts: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._plan_cache: dict[tuple[int, torch.device], Plan] = {}
+
+    @staticmethod
+    def _linear_consts(codec: Codec) -> dict[str, torch.Tensor]:
+        """A linear codebook's a_t and w_tj for ``_lin_prep`` (none for other codebooks)."""
+        if not isinstance(codec.tree, UniformLinearTree):
+            return {}
+        a, wt = linear_tables(codec.tree)
+        return {"lin_a": a, "lin_w": wt.reshape(-1).contiguous()}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self._consts:
@@ -320,7 +346,8 @@ class TritonReader:
         if self.compact_values and block_tokens > 2048:
             raise ValueError("block_tokens must be <= 2048 with compact_values (11-bit positions)")
         n_pages = math.ceil(max_tokens / p)
-        n_splits = math.ceil(n_pages / pages_per_program)
+        mma = self._key_mma(dev, small)
+        n_splits = math.ceil(n_pages / (MMA_WARPS if mma else pages_per_program))
         n_blocks = math.ceil(max_tokens / block_tokens)
         self._ppk, self._blk = pages_per_program, block_tokens
         groups = batch * hk // self.hg
@@ -367,8 +394,32 @@ class TritonReader:
             two_pass=tp, ihist=opt(tp, groups, (self.hg + 1) * IH_BINS, **i32),
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
-            key_loop=key_loop, key_ch=key_ch,
+            key_loop=key_loop, key_ch=key_ch, key_mma=mma,
+            lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
+            lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
+            lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32),
         )
+
+    def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
+        """Whether plans on ``dev`` run the bit-product Key stage (``key_mma``): a linear codebook, the
+        FMA stages, a CUDA device (the kernel's MMAs are inline PTX, which Triton's interpreter does
+        not run), 64-token pages, at most 4 query heads per KV head, no Key refinement; and where it
+        measured faster (KERNEL_NOTES run 47): head_dim >= 128 and steps that are not small (B=32
+        T=32768 R=2 1.507 -> 1.273 ms, d=256 0.467 -> 0.429; slower for SmolLM2's d=64 and at B=1).
+        ``key_mma=True`` forces it wherever it can run (``"auto"``, the default, chooses)."""
+        spec = self.codec.spec
+        can = (bool(self.key_mma) and isinstance(self.codec.tree, UniformLinearTree) and self.assembly == "fma"
+               and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.refine
+               and not self.fixed_depth)
+        if self.key_mma == "auto":
+            return can and spec.head_dim >= 128 and not small
+        return can
+
+    @property
+    def _lin_smax(self) -> int:
+        """Steps of 16 pairs a head can need: every channel at full depth."""
+        spec = self.codec.spec
+        return spec.head_dim * spec.width // 16
 
     def _key_loop(self, tokens: int) -> int:
         """How the FMA Key stage walks a head's channels of depth > 0 (``key_loop``; None = measured
@@ -470,7 +521,15 @@ class TritonReader:
                          RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
                          KORDER=plan.key_loop, num_warps=self.prep_warps)
         mark("prep")
-        if self.assembly == "fma":
+        if plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
+            _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
+                                 plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,
+                                 P=p, num_warps=4)
+            _key_stage_mma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
+                                          plan.lin_steps, plan.lin_base, plan.logits, plan.mstat, plan.sstat, scale,
+                                          slots, tmax, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
+                                          NWARP=MMA_WARPS, PREFETCH=2, num_warps=MMA_WARPS)
+        elif self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
                                         HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, KLOOP=plan.key_loop,

@@ -1,0 +1,311 @@
+"""The Key stage as a product of plane bits, for codebooks linear in the planes (docs/DECISIONS.md,
+docs/KERNEL_NOTES.md runs 45-46).
+
+With a linear codebook (``planekv.kvstore.UniformLinearTree``) the depth-t value of a code is
+``a_t + sum_{j<t} w_tj b_j``, so a query head's logit over a token is
+
+    base_g + sum_c wf_cg (a_{t_c} + sum_{j<t_c} w_{t_c j} b_cj) = base'_g + sum_{(c,j)} V_{(c,j) g} b_cj
+
+with ``wf = q~ sigma_K`` (what ``_prep`` writes), ``base' = base + sum_c wf_c a_{t_c}`` and
+``V_{(c,j) g} = wf_cg w_{t_c j}``: per (sequence, KV head) one product of the plane bits [tokens x
+pairs (c, j < t_c)] with V [pairs x G]. The bits enter mma.sync as fp16 2^-7 per set bit (so V carries
+2^7) and V as fp16 hi + lo halves, accumulated in float32: float32-accurate logits.
+
+``_lin_prep`` (one program per (sequence, KV head), after ``_prep``) lists the pairs plane-major in
+steps of 16 laid out in fragment order and folds the weights; ``_key_stage_mma`` builds the MMA
+fragments in registers with inline PTX (GPU only) and writes logits and per-split softmax statistics
+like the FMA Key stage. :func:`mma_operands` is the torch reference of ``_lin_prep``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kvstore import UniformLinearTree
+
+BIT_SCALE = 128.0  # a set bit is fp16 0x2000 = 2^-7; V carries the 2^7
+_BIT_SCALE = tl.constexpr(BIT_SCALE)
+_KCH = tl.constexpr(16)  # pairs per MMA step (the K of one mma.m16n8k16)
+
+
+def _mma_asm(n_tiles: int) -> str:
+    """PTX for one K step of a warp's n_tiles M-tiles: $0..$(4n-1) the new accumulators, then inputs
+    z01, z23 (two pairs' plane bytes as 16-bit halves), b0, b1 (V^T words), the old accumulators.
+    Tile i's A fragment: rows g / g+8 are bits 2i / 2i+1 of the bytes, as fp16 2^-7 (0x2000). All
+    fragments first, then the tiles' MMAs back to back (independent accumulators)."""
+    n = 4 * n_tiles
+    z01, z23, b0, b1 = (f"${n + k}" for k in range(4))
+    lines = ["{", f".reg .b32 a<{n}>;"]
+    for i in range(n_tiles):
+        for r, (z, sh) in enumerate(((z01, 13 - 2 * i), (z01, 12 - 2 * i), (z23, 13 - 2 * i), (z23, 12 - 2 * i))):
+            lines.append(f"shl.b32 a{4 * i + r}, {z}, {sh};")
+            lines.append(f"and.b32 a{4 * i + r}, a{4 * i + r}, 0x20002000;")
+    for i in range(n_tiles):
+        d = ", ".join(f"${4 * i + r}" for r in range(4))
+        c = ", ".join(f"${n + 4 + 4 * i + r}" for r in range(4))
+        a = ", ".join(f"a{4 * i + r}" for r in range(4))
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d}}}, {{{a}}}, {{{b0}, {b1}}}, {{{c}}};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+MMA_TILES = 4  # M-tiles of 16 rows per warp: 64 tokens, one 64-token page
+_MMA_ASM = tl.constexpr(_mma_asm(MMA_TILES))
+_MMA_CONS = tl.constexpr(",".join(["=f"] * (4 * MMA_TILES) + ["r"] * 4 + ["f"] * (4 * MMA_TILES)))
+
+
+@triton.jit
+def _mma_step(z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    return tl.inline_asm_elementwise(
+        _MMA_ASM, _MMA_CONS, [z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+        dtype=(tl.float32,) * 16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_logit(hi, lo, k: tl.constexpr, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G: tl.constexpr):
+    """Query head q's logit of token 8g + k (a thread's two accumulator columns: the V hi and lo
+    products); stored, and returned (-inf where it is no logit) for the split's statistics."""
+    tok = tok8 + k
+    ok = (tok < T) & (q < G)
+    lg = (hi + lo + tl.load(base_ptr + q0 + q, mask=q < G, other=0.0)) * scale  # bits 2^-7 x V 2^7
+    lg = tl.where(ok, lg, float("-inf"))
+    tl.store(logit_ptr + (q0 + q) * TMAX + tok, lg, mask=ok)
+    return lg
+
+
+@triton.jit
+def _mma_offsets(op, s):
+    """A thread's four byte offsets of K step s (offsets [S, 4 registers, 4 lanes]: scalar loads per
+    register; a [threads, 4] load would make Triton reshuffle it through shared memory)."""
+    o = op + s * 16
+    return tl.load(o), tl.load(o + 4), tl.load(o + 8), tl.load(o + 12)
+
+
+@triton.jit
+def _mma_bytes(pb, o0, o1, o2, o3):
+    """The four pairs' bytes of the thread's tokens as two words of 16-bit lanes."""
+    x0 = tl.load(pb + o0).to(tl.int32)
+    x1 = tl.load(pb + o1).to(tl.int32)
+    x2 = tl.load(pb + o2).to(tl.int32)
+    x3 = tl.load(pb + o3).to(tl.int32)
+    return x0 | (x1 << 16), x2 | (x3 << 16)
+
+
+@triton.jit
+def _mma_operands(pb, op, vp, s):
+    """A thread's operands of K step s: its pairs' bytes and its two V words ([S, 2, 8 columns, 4 lanes])."""
+    o0, o1, o2, o3 = _mma_offsets(op, s)
+    z01, z23 = _mma_bytes(pb, o0, o1, o2, o3)
+    return z01, z23, tl.load(vp + s * 64), tl.load(vp + s * 64 + 32)
+
+
+@triton.jit
+def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, logit_ptr, mstat_ptr, sstat_ptr,
+                   scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr, PREFETCH: tl.constexpr = 0):
+    """The bit product with mma.sync fragments built in registers (GPU only: inline PTX). Program
+    (b*Hkv + h, split) of NWARP pages of 64 tokens, one page per warp, one tensor element per thread
+    (lane 4g + q). Per K step of 16 pairs (:func:`mma_operands`' fragment order) a thread loads byte g
+    of its four pairs (tokens 8g..8g+7 of its page; lanes q = 0..3 read neighbouring channels of one
+    plane) and its two V words, then :func:`_mma_asm`: M-tile i's rows g / g+8 are tokens 8g + 2i /
+    8g + 2i + 1, and a thread's two columns are query head q's hi and lo products, so its 8 logits need
+    no other lane."""
+    tl.static_assert(P == 64, "one 64-token page per warp")
+    tl.static_assert(G <= 4, "hi and lo halves of up to 4 query heads in the 8 MMA columns")
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    T = tl.load(len_ptr + b)
+    NSPLIT = tl.num_programs(1)
+    t = tl.arange(0, 32 * NWARP)
+    w = t // 32
+    g = (t % 32) // 4
+    q = t % 4
+    pg = split * NWARP + w
+    page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pg < tl.cdiv(T, P), other=0).to(tl.int64)
+    pb = kb_ptr + page * (W * D * 8) + g  # plane 0, channel 0, byte g of the warp's page
+    op = off_ptr + pid_bh * SMAX * 16 + q  # lane q's offset of register r in step s at + 16 s + 4 r
+    vp = vf_ptr + pid_bh * SMAX * 64 + g * 4 + q  # column g, lane q: word b of step s at + 64 s + 32 b
+    zero = tl.zeros([32 * NWARP], tl.float32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
+    c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
+    n_steps = tl.load(nst_ptr + pid_bh)
+    if PREFETCH == 2:  # offsets two steps ahead, bytes and V words one step ahead of the MMAs
+        o0, o1, o2, o3 = _mma_offsets(op, tl.minimum(1, n_steps - 1))
+        z01, z23, b0, b1 = _mma_operands(pb, op, vp, 0)
+        for s in range(0, n_steps):
+            nxt = tl.minimum(s + 1, n_steps - 1)
+            p0, p1, p2, p3 = _mma_offsets(op, tl.minimum(s + 2, n_steps - 1))
+            z01n, z23n = _mma_bytes(pb, o0, o1, o2, o3)
+            b0n = tl.load(vp + nxt * 64)
+            b1n = tl.load(vp + nxt * 64 + 32)
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+            z01, z23, b0, b1 = z01n, z23n, b0n, b1n
+            o0, o1, o2, o3 = p0, p1, p2, p3
+    elif PREFETCH == 1:  # the next step's bytes and V words requested before this step's MMAs
+        z01, z23, b0, b1 = _mma_operands(pb, op, vp, 0)
+        for s in range(0, n_steps):
+            z01n, z23n, b0n, b1n = _mma_operands(pb, op, vp, tl.minimum(s + 1, n_steps - 1))
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+            z01, z23, b0, b1 = z01n, z23n, b0n, b1n
+    else:
+        for s in range(0, n_steps):
+            z01, z23, b0, b1 = _mma_operands(pb, op, vp, s)
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+    q0 = b * HQ + h * G
+    tok8 = split * (NWARP * P) + w * P + 8 * g  # token 8g of the warp's page
+    # M-tile i: c(4i), c(4i+1) are row g (token 8g + 2i), c(4i+2), c(4i+3) row g + 8 (token 8g + 2i + 1);
+    # columns 2q / 2q + 1 are query head q's V hi / lo products
+    l0 = _mma_logit(c0, c1, 0, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l1 = _mma_logit(c2, c3, 1, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l2 = _mma_logit(c4, c5, 2, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l3 = _mma_logit(c6, c7, 3, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l4 = _mma_logit(c8, c9, 4, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l5 = _mma_logit(c10, c11, 5, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l6 = _mma_logit(c12, c13, 6, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l7 = _mma_logit(c14, c15, 7, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    mt = tl.maximum(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), tl.maximum(tl.maximum(l4, l5),
+                                                                                  tl.maximum(l6, l7)))
+    msel = tl.zeros([32 * NWARP], tl.float32)
+    for n in tl.static_range(G):
+        m = tl.max(tl.where(q == n, mt, float("-inf")), 0)
+        tl.store(mstat_ptr + (q0 + n) * NSPLIT + split, m)
+        msel = tl.where(q == n, tl.where(m == float("-inf"), 0.0, m), msel)
+    e = (tl.exp(l0 - msel) + tl.exp(l1 - msel) + tl.exp(l2 - msel) + tl.exp(l3 - msel) + tl.exp(l4 - msel)
+         + tl.exp(l5 - msel) + tl.exp(l6 - msel) + tl.exp(l7 - msel))
+    for n in tl.static_range(G):
+        tl.store(sstat_ptr + (q0 + n) * NSPLIT + split, tl.sum(tl.where(q == n, e, 0.0), 0))
+
+
+@triton.jit
+def _lin_prep(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vf_ptr, nst_ptr, base2_ptr, SMAX,
+              HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+              P: tl.constexpr):
+    """Program b*Hkv + h: the operands of :func:`_key_stage_mma` for this step (as
+    :func:`mma_operands`). Pairs (c, j < t_c) plane-major; list entry e = 16 s + 8 v + 4 h + q goes to
+    register r = h + 2 v of lane q in step s: its byte offset (j D + c) P/8 at off[s, r, q], and 2^7 V
+    (fp16 hi in column 2g, lo in 2g + 1) at the fp16 index ((((s * 2 + v) * 8 + column) * 4 + q) * 2
+    + h of vf. The last step's unused entries get offset 0 and V 0 (columns >= 2G stay 0 from the
+    plan). base' = base + sum_c wf_c a_{t_c}."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    NB: tl.constexpr = P // 8
+    cc = tl.arange(0, D)
+    dep = tl.load(kdep_ptr + pid * D + cc)
+    a_dep = tl.load(lina_ptr + dep)
+    offs = off_ptr + pid * SMAX * 16
+    vfs = vf_ptr + pid * SMAX * 128  # fp16 elements: 2 words x 8 columns x 4 lanes x 2 halves per step
+    run = tl.sum(dep * 0, 0)
+    for j in tl.static_range(W):
+        act = dep > j
+        pos = run + tl.cumsum(act.to(tl.int32), 0) - 1
+        run += tl.sum(act.to(tl.int32), 0)
+        st = pos // 16
+        wi = pos % 16
+        v = wi // 8
+        hh = (wi // 4) % 2
+        q = wi % 4
+        tl.store(offs + st * 16 + (2 * v + hh) * 4 + q, (j * D + cc) * NB, mask=act)
+        wj = tl.load(linw_ptr + dep * W + j, mask=act, other=0.0)
+        vbase = vfs + (st * 2 + v) * 64 + q * 2 + hh
+        for g in tl.static_range(G):
+            val = tl.load(wf_ptr + (pid * D + cc) * G + g) * wj * _BIT_SCALE
+            hi = val.to(tl.float16)
+            lo = (val - hi.to(tl.float32)).to(tl.float16)
+            tl.store(vbase + (2 * g) * 8, hi, mask=act)
+            tl.store(vbase + (2 * g + 1) * 8, lo, mask=act)
+    n_steps = (run + 15) // 16
+    pp = run + tl.arange(0, 16)
+    pad = pp < n_steps * 16
+    pst, pwi = pp // 16, pp % 16
+    tl.store(offs + pst * 16 + (2 * (pwi // 8) + (pwi // 4) % 2) * 4 + pwi % 4, pp * 0, mask=pad)
+    pvb = vfs + (pst * 2 + pwi // 8) * 64 + (pwi % 4) * 2 + (pwi // 4) % 2
+    for col in tl.static_range(2 * G):
+        tl.store(pvb + col * 8, tl.zeros([16], tl.float16), mask=pad)
+    tl.store(nst_ptr + pid, n_steps)
+    for g in tl.static_range(G):
+        wfg = tl.load(wf_ptr + (pid * D + cc) * G + g)
+        tl.store(base2_ptr + b * HQ + h * G + g, tl.load(base_ptr + b * HQ + h * G + g) + tl.sum(wfg * a_dep, 0))
+
+
+def linear_tables(tree: UniformLinearTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [W + 1], w [W + 1, W]) of a linear codebook, float32: level = a_t + sum_j w[t, j] b_j."""
+    w = tree.depth
+    a = torch.tensor([tree.linear_weights(t)[0] for t in range(w + 1)], dtype=torch.float32)
+    wt = torch.zeros(w + 1, w, dtype=torch.float32)
+    for t in range(1, w + 1):
+        wt[t, :t] = torch.tensor(tree.linear_weights(t)[1], dtype=torch.float32)
+    return a, wt
+
+
+def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, ...]:
+    """The operands of :func:`_key_stage_mma`: per head its pairs (c, j < t_c) plane-major (so that
+    neighbouring list entries are neighbouring channels of one plane, whose bytes share a sector),
+    in steps of 16 laid out in fragment order: (byte offsets [B*Hkv, S, 4 registers r, 4 lanes q] int32,
+    V [B*Hkv, S, 2 words, 8 columns, 4 lanes q] int32 words of fp16 pairs, the number of steps
+    [B*Hkv], base' [B, Hq]). Lane q's registers r = 0..3 take list entries 16 s + 8 v + 4 h + q ((h, v) = (0, 0),
+    (1, 0), (0, 1), (1, 1)): the A fragment's columns 2q, 2q+1, 2q+8, 2q+9. Column 2n of V is query
+    head n's 2^7 V hi, column 2n + 1 its lo half (G <= 4)."""
+    if not isinstance(tree, UniformLinearTree):
+        raise TypeError(f"the bit-product Key stage needs a codebook linear in the planes, got {tree!r}")
+    bsz, hk, d = kdep.shape
+    g = wf.shape[-1]
+    if g > 4:
+        raise ValueError("the mma probe takes at most 4 query heads per KV head")
+    w, nb, dev = tree.depth, page_size // 8, kdep.device
+    a = torch.tensor([tree.linear_weights(t)[0] for t in range(w + 1)], dtype=torch.float32, device=dev)
+    wt = torch.zeros(w + 1, w, dtype=torch.float32, device=dev)
+    for t in range(1, w + 1):
+        wt[t, :t] = torch.tensor(tree.linear_weights(t)[1], dtype=torch.float32)
+    dep = kdep.long()
+    base2 = (base.view(bsz, hk, g) + (wf * a[dep][..., None]).sum(2)).reshape(bsz, hk * g).contiguous()
+    bh = bsz * hk
+    jj = torch.arange(w, device=dev)
+    live = (jj[None, :, None] < dep.reshape(bh, 1, d)).reshape(bh, w * d)  # plane-major (j, c)
+    vjc = (wf.reshape(bh, 1, d, g) * wt[dep.reshape(bh, d)].transpose(1, 2)[..., None]).reshape(bh, w * d, g)
+    off = ((jj[:, None] * d + torch.arange(d, device=dev)[None, :]) * nb).reshape(w * d).int()
+    cnt = live.sum(1)
+    n_steps = max(1, -(-int(cnt.max()) // 16))
+    pos = torch.cumsum(live.int(), 1) - 1
+    rows = torch.arange(bh, device=dev)[:, None].expand(-1, w * d)
+    offl = torch.zeros(bh, n_steps * 16, dtype=torch.int32, device=dev)
+    vl = torch.zeros(bh, n_steps * 16, 8, dtype=torch.float32, device=dev)
+    offl[rows[live], pos[live]] = off[None, :].expand(bh, -1)[live]
+    vv = vjc[live] * BIT_SCALE  # [n_live, G]
+    if float(vv.abs().max()) > 60000.0:
+        raise ValueError("2^7 V exceeds the fp16 range; the probe has no other scaling")
+    hi = vv.half()
+    lo = (vv - hi.float()).half()
+    vl[rows[live], pos[live], 0: 2 * g: 2] = hi.float()
+    vl[rows[live], pos[live], 1: 2 * g: 2] = lo.float()
+    # fragment order: entry 16 s + 8 v + 4 h + q -> [s, q, r] with r = h + 2 v
+    offf = offl.view(bh, n_steps, 2, 2, 4).reshape(bh, n_steps, 4, 4).contiguous()  # [s, r = h + 2 v, q]
+    vf = vl.half().view(bh, n_steps, 2, 2, 4, 8).permute(0, 1, 2, 5, 4, 3)  # [s, v, column, q, h]
+    vf = vf.contiguous().view(torch.int32).squeeze(-1)  # [bh, S, 2 (b0 = r0 r1, b1 = r2 r3), 8, 4]
+    steps = ((cnt + 15) // 16).int()
+    return offf, vf, steps, base2
+
+
+def key_stage_mma(k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                  ops: tuple[torch.Tensor, ...], logits: torch.Tensor, mstat: torch.Tensor, sstat: torch.Tensor,
+                  scale: float, n_q_heads: int, num_warps: int = 4, prefetch: int = 0) -> None:
+    """Launch :func:`_key_stage_mma` over :func:`mma_operands` (stats [B, Hq, splits], splits = pages /
+    num_warps)."""
+    offf, vf, steps, base2 = ops
+    bsz, hk, slots = page_table.shape
+    _, w, d, nb = k_pool.shape
+    _key_stage_mma[(bsz * hk, mstat.shape[2])](k_pool, page_table, lengths, offf, vf, steps, base2, logits, mstat,
+                                               sstat, scale, slots, logits.shape[2], offf.shape[1], HQ=n_q_heads,
+                                               HKV=hk, G=n_q_heads // hk, D=d, W=w, P=nb * 8, NWARP=num_warps,
+                                               PREFETCH=prefetch, num_warps=num_warps)
+
+
+__all__ = ["BIT_SCALE", "key_stage_mma", "linear_tables", "mma_operands"]
