@@ -273,7 +273,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
               k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str | None = None,
               compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None, value_alloc: str | None = None,
-              timeline: bool = False, alloc_warps: int = 8) -> list[Row]:
+              timeline: bool = False, alloc_warps: int = 8, codebook: str = "gaussian-lloyd-tree") -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -289,7 +289,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         b, t, _hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
         bytes_fp16 = 2.0 * b * hk * t * d * 2
         n_sets = max(1, min(4, math.ceil(3 * 60e6 / bytes_fp16)))  # rotate when one set fits in L2
-        sets = [_gen(shape, dev, seed, None)]
+        sets = [_gen(shape, dev, seed, None, codebook=codebook)]
         for i in range(1, n_sets):
             sets.append(_gen(shape, dev, seed + i, (sets[0].spec, sets[0].codec)))
         say(f"{name}: data ready in {time.perf_counter() - t0:.1f} s ({n_sets} input sets)")

@@ -21,7 +21,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
                      pages_per_program=args.pages_per_program,
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      value_alloc=None if args.value_alloc == "auto" else args.value_alloc,
-                     timeline=args.timeline, alloc_warps=args.alloc_warps,
+                     timeline=args.timeline, alloc_warps=args.alloc_warps, codebook=args.codebook,
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
@@ -37,6 +37,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..kvstore import CODEBOOKS
     from .bench import SHAPES, SYSTEMS
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -66,4 +67,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also profile one graph replay per system: GPU time per kernel (torch.profiler)")
     a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")
     a.add_argument("--json", help="write rows and metadata here")
+    a.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
+                   help="the format's codebook (a linear one runs the bit-product Key stage where it pays)")
     a.set_defaults(func=_bench_attention)

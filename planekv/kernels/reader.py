@@ -245,7 +245,7 @@ class TritonReader:
         self.radix_hist = 1
         # the Key stage as a product of plane bits for codebooks linear in the planes (planekv.kernels.
         # linear; KERNEL_NOTES run 46): on CUDA devices (inline PTX) with the FMA stages, 64-token pages,
-        # up to 4 query heads per KV head, no Key refinement; "auto" where it measured faster, True
+        # up to 4 query heads per KV head; "auto" where it measured faster, True
         # wherever it can run, False never
         self.key_mma: bool | str = "auto"
         if key_loop not in (None, 0, 1):
@@ -403,14 +403,13 @@ class TritonReader:
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
         """Whether plans on ``dev`` run the bit-product Key stage (``key_mma``): a linear codebook, the
         FMA stages, a CUDA device (the kernel's MMAs are inline PTX, which Triton's interpreter does
-        not run), 64-token pages, at most 4 query heads per KV head, no Key refinement; and where it
+        not run), 64-token pages, at most 4 query heads per KV head; and where it
         measured faster (KERNEL_NOTES run 47): head_dim >= 128 and steps that are not small (B=32
         T=32768 R=2 1.507 -> 1.273 ms, d=256 0.467 -> 0.429; slower for SmolLM2's d=64 and at B=1).
         ``key_mma=True`` forces it wherever it can run (``"auto"``, the default, chooses)."""
         spec = self.codec.spec
         can = (bool(self.key_mma) and isinstance(self.codec.tree, UniformLinearTree) and self.assembly == "fma"
-               and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.refine
-               and not self.fixed_depth)
+               and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.fixed_depth)
         if self.key_mma == "auto":
             return can and spec.head_dim >= 128 and not small
         return can
@@ -649,8 +648,9 @@ class TritonReader:
                             plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=self._blk,
                             TS=max(1, 1024 // d), num_warps=nw)
         mark("refine_decode")
+        ntok = MMA_WARPS * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
         _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
-                                             G2=g2, NTOK=self._ppk * p, num_warps=nw)
+                                             G2=g2, NTOK=ntok, num_warps=nw)
         mark("refine_stats")
 
     # ---- convenience ----

@@ -128,7 +128,7 @@ def test_lin_prep_writes_the_reference_operands() -> None:
 
 def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> None:
     """TritonReader.key_mma ("auto"): a linear codebook on a CUDA device with up to 4 query heads per KV
-    head, no Key refinement, head_dim >= 128 and a step that is not small (where it measured faster);
+    head, head_dim >= 128 and a step that is not small (where it measured faster);
     True forces it wherever it can run; never in the interpreter, never for the Gaussian tree."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     pol = ReadPolicy.flexible(2.0, 0.875)
@@ -142,7 +142,7 @@ def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> No
     assert TritonReader(lin, pol)._key_mma(cuda) and not TritonReader(lin, pol)._key_mma(cpu)
     assert not TritonReader(lin, pol)._key_mma(cuda, small=True)
     assert not TritonReader(gauss, pol)._key_mma(cuda)
-    assert not TritonReader(lin, ReadPolicy.flexible(2.0, 0.875, key_refine=0.3))._key_mma(cuda)
+    assert TritonReader(lin, ReadPolicy.flexible(2.0, 0.875, key_refine=0.3))._key_mma(cuda)  # with refinement
     forced, off = TritonReader(lin, pol), TritonReader(lin, pol)
     forced.key_mma, off.key_mma = True, False
     assert forced._key_mma(cuda, small=True) and not off._key_mma(cuda)
