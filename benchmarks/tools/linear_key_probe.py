@@ -225,6 +225,38 @@ def _probe_reader(data, shape, rate: float, share: float, reps: int) -> dict:  #
     return res
 
 
+def ragged_main(out: str | None) -> int:
+    """Whole reader steps with the bit-product Key stage forced on (``key_mma=True``) over sequences
+    of ragged lengths (mid-page ends, one token, shorter than one 512-token split), every sequence
+    checked against the reference reader, for each shape and both readers' flexible rates."""
+    import json
+
+    from planekv.kernels import TritonReader
+    from planekv.kernels.bench import SHAPES, _check, _gen
+    from planekv.kvstore import ReadPolicy
+
+    rows = []
+    cases = {"b32-t32k": [32768, 32767, 20001, 513, 64, 1, 4095, 12345], "b1-t8k": [5000],
+             "smollm2-b32-t8k": [8192, 8191, 3000, 511, 65, 2, 4097, 7000], "d256-b32-t32k": [32768, 777, 31000]}
+    for name, lens in cases.items():
+        shape = SHAPES[name]
+        data = _gen(shape, torch.device("cuda"), 0, None, codebook="uniform-linear-c3")
+        data.lengths[: len(lens)] = torch.tensor(lens, dtype=torch.int32, device=data.lengths.device)
+        for pol in (ReadPolicy.flexible(2.0, 0.875), ReadPolicy.flexible(4.0, 0.75),
+                    ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)):
+            reader = TritonReader(data.codec, pol)
+            reader.key_mma = True
+            plan = reader.plan(shape.batch, shape.tokens, data.q.device)
+            res = {"shape": name, "rate": pol.rate, "key_refine": pol.key_refine, "key_mma": plan.key_mma,
+                   **_check(reader, plan, data, data.codec, n_seq=len(lens))}
+            print(json.dumps(res), flush=True)
+            rows.append(res)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 def gpu_main(shapes: list[str], reps: int, out: str | None, reader_steps: bool = False) -> int:
     """On the GPU: for each shape and rate, the flexible reader's step with the linear codebook, then
     the FMA Key stage (as the reader launches it) and :func:`_key_stage_mma` on its operands: logits
@@ -264,7 +296,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json")
     ap.add_argument("--reader", action="store_true", help="with --gpu: whole reader steps, key_mma on and off")
+    ap.add_argument("--ragged", action="store_true", help="on the GPU: ragged-length steps checked, key_mma on")
     args = ap.parse_args()
+    if args.ragged:
+        return ragged_main(args.json)
     if args.gpu:
         return gpu_main(args.shapes, args.reps, args.json, args.reader)
 
