@@ -244,6 +244,9 @@ def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, sp
             ws += float(sectors) * 32 * (hq // hk) + 4.0 * float(live.sum())
         else:
             ws += logits
+    if plan.key_mma:  # the bit-product Key stage's operands: written by _lin_prep, read back (per step of
+        # 16 pairs: 16 int32 offsets and 64 int32 V words), and base'
+        ws += 2.0 * (float(plan.lin_steps.double().sum()) * (16 + 64) * 4 + 4.0 * b * hq)
     out = 4.0 * b * hq * d * 2 + 4.0 * b * hq * plan.n_blocks * d * 2
     if reader.refine:
         data += _refine_sector_bytes(reader.refined(plan).to(kdep.device), kdep, lengths, spec)
