@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from planekv.kernels.linear import _key_stage_mma, key_stage_mma, mma_operands
+from planekv.kernels.linear import _key_stage_mma, key_stage_mma, linear_fold, mma_operands
 from planekv.kvstore import UniformLinearTree
 
 KCH = 16  # pairs per MMA step (the K of one tl.dot)
@@ -98,18 +98,11 @@ def linear_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tenso
     D, G] and ``base`` [B, Hq] of one step: (pair lists [B*Hkv, KMAX] int32 (j << 8 | c, channel
     order, padded with zero-weight copies of pair 0 to a multiple of KCH), their lengths [B*Hkv],
     V hi and lo [B*Hkv, KMAX, 16] fp16 (2^7 V), base' [B, Hq] f32)."""
-    if not isinstance(tree, UniformLinearTree):
-        raise TypeError(f"the bit-product Key stage needs a codebook linear in the planes, got {tree!r}")
     bsz, hk, d = kdep.shape
     g = wf.shape[-1]
     w = tree.depth
     dev = kdep.device
-    a = torch.tensor([tree.linear_weights(t)[0] for t in range(w + 1)], dtype=torch.float32, device=dev)
-    wt = torch.zeros(w + 1, w, dtype=torch.float32, device=dev)
-    for t in range(1, w + 1):
-        wt[t, :t] = torch.tensor(tree.linear_weights(t)[1], dtype=torch.float32)
-    dep = kdep.long()
-    base2 = base.view(bsz, hk, g) + (wf * a[dep][..., None]).sum(2)  # [B, Hkv, G]
+    dep, wt, base2 = linear_fold(tree, kdep, wf, base)  # base2: [B, Hkv, G]
     jj = torch.arange(w, device=dev)
     live = (jj[None, None, None, :] < dep[..., None]).reshape(bsz * hk, d * w)  # pairs (c, j), c-major
     v = (wf[..., None, :] * wt[dep][..., None]).reshape(bsz * hk, d * w, g)  # [BH, D*W, G]
@@ -225,11 +218,27 @@ def _probe_reader(data, shape, rate: float, share: float, reps: int) -> dict:  #
     return res
 
 
+def _emit(rows: list[dict], res: dict) -> None:
+    """Print a result row as one JSON line (progress while a call runs) and keep it."""
+    import json
+
+    print(json.dumps(res), flush=True)
+    rows.append(res)
+
+
+def _write(rows: list[dict], out: str | None) -> int:
+    import json
+
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 def ragged_main(out: str | None) -> int:
     """Whole reader steps with the bit-product Key stage forced on (``key_mma=True``) over sequences
     of ragged lengths (mid-page ends, one token, shorter than one 512-token split), every sequence
     checked against the reference reader, for each shape and both readers' flexible rates."""
-    import json
 
     from planekv.kernels import TritonReader
     from planekv.kernels.bench import SHAPES, _check, _gen
@@ -247,14 +256,9 @@ def ragged_main(out: str | None) -> int:
             reader = TritonReader(data.codec, pol)
             reader.key_mma = True
             plan = reader.plan(shape.batch, shape.tokens, data.q.device)
-            res = {"shape": name, "rate": pol.rate, "key_refine": pol.key_refine, "key_mma": plan.key_mma,
-                   **_check(reader, plan, data, data.codec, n_seq=len(lens))}
-            print(json.dumps(res), flush=True)
-            rows.append(res)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+            _emit(rows, {"shape": name, "rate": pol.rate, "key_refine": pol.key_refine, "key_mma": plan.key_mma,
+                         **_check(reader, plan, data, data.codec, n_seq=len(lens))})
+    return _write(rows, out)
 
 
 def gpu_main(shapes: list[str], reps: int, out: str | None, reader_steps: bool = False) -> int:
@@ -262,7 +266,6 @@ def gpu_main(shapes: list[str], reps: int, out: str | None, reader_steps: bool =
     the FMA Key stage (as the reader launches it) and :func:`_key_stage_mma` on its operands: logits
     and global softmax statistics compared, each timed alone (median of CUDA-graph replays), SDPA
     timed in the same run."""
-    import json
 
     from planekv.kernels.bench import SHAPES, _gen, _time_graphs
 
@@ -275,13 +278,8 @@ def gpu_main(shapes: list[str], reps: int, out: str | None, reader_steps: bool =
         sdpa_ms, _ = _time_graphs([lambda data=data, qs=qs: sdpa(qs, data.k, data.v, enable_gqa=True)], reps)
         for rate, share in ((2.0, 0.875), (4.0, 0.75)):
             probe = _probe_reader if reader_steps else _probe_rate
-            res = {"sdpa_ms": sdpa_ms, **probe(data, shape, rate, share, reps)}
-            print(json.dumps(res), flush=True)
-            rows.append(res)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+            _emit(rows, {"sdpa_ms": sdpa_ms, **probe(data, shape, rate, share, reps)})
+    return _write(rows, out)
 
 
 def main() -> int:

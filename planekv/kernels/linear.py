@@ -245,6 +245,18 @@ def linear_tables(tree: UniformLinearTree) -> tuple[torch.Tensor, torch.Tensor]:
     return a, wt
 
 
+def linear_fold(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every bit-product operand layout starts from (torch, on ``kdep``'s device): the depths as
+    int64, w[t, j] on that device, and base' = base + sum_c wf_c a_{t_c} as [B, Hkv, G]."""
+    if not isinstance(tree, UniformLinearTree):
+        raise TypeError(f"the bit-product Key stage needs a codebook linear in the planes, got {tree!r}")
+    bsz, hk, _ = kdep.shape
+    a, wt = (x.to(kdep.device) for x in linear_tables(tree))
+    dep = kdep.long()
+    return dep, wt, base.view(bsz, hk, -1) + (wf * a[dep][..., None]).sum(2)
+
+
 def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
                  page_size: int) -> tuple[torch.Tensor, ...]:
     """The operands of :func:`_key_stage_mma`: per head its pairs (c, j < t_c) plane-major (so that
@@ -254,19 +266,13 @@ def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, 
     [B*Hkv], base' [B, Hq]). Lane q's registers r = 0..3 take list entries 16 s + 8 v + 4 h + q ((h, v) = (0, 0),
     (1, 0), (0, 1), (1, 1)): the A fragment's columns 2q, 2q+1, 2q+8, 2q+9. Column 2n of V is query
     head n's 2^7 V hi, column 2n + 1 its lo half (G <= 4)."""
-    if not isinstance(tree, UniformLinearTree):
-        raise TypeError(f"the bit-product Key stage needs a codebook linear in the planes, got {tree!r}")
     bsz, hk, d = kdep.shape
     g = wf.shape[-1]
+    dep, wt, base2 = linear_fold(tree, kdep, wf, base)
     if g > 4:
-        raise ValueError("the mma probe takes at most 4 query heads per KV head")
+        raise ValueError("the bit-product Key stage takes at most 4 query heads per KV head")
     w, nb, dev = tree.depth, page_size // 8, kdep.device
-    a = torch.tensor([tree.linear_weights(t)[0] for t in range(w + 1)], dtype=torch.float32, device=dev)
-    wt = torch.zeros(w + 1, w, dtype=torch.float32, device=dev)
-    for t in range(1, w + 1):
-        wt[t, :t] = torch.tensor(tree.linear_weights(t)[1], dtype=torch.float32)
-    dep = kdep.long()
-    base2 = (base.view(bsz, hk, g) + (wf * a[dep][..., None]).sum(2)).reshape(bsz, hk * g).contiguous()
+    base2 = base2.reshape(bsz, hk * g).contiguous()
     bh = bsz * hk
     jj = torch.arange(w, device=dev)
     live = (jj[None, :, None] < dep.reshape(bh, 1, d)).reshape(bh, w * d)  # plane-major (j, c)
@@ -308,4 +314,4 @@ def key_stage_mma(k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch
                                                PREFETCH=prefetch, num_warps=num_warps)
 
 
-__all__ = ["BIT_SCALE", "key_stage_mma", "linear_tables", "mma_operands"]
+__all__ = ["BIT_SCALE", "key_stage_mma", "linear_fold", "linear_tables", "mma_operands"]
