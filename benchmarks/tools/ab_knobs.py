@@ -17,6 +17,7 @@ import torch
 
 from planekv.kernels.bench import SHAPES, _check, _gen, _policy, _time_graphs, _timeline
 from planekv.kernels.reader import TritonReader
+from planekv.kvstore.codebook import CODEBOOKS
 
 PLAN_ARGS = ("pages_per_program", "block_tokens")
 
@@ -44,13 +45,15 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true", help="also each variant's per-kernel GPU time")
     ap.add_argument("--check", action="store_true", help="also each variant against the reference reader "
                     "(depth differences, output error; the first two sequences)")
+    ap.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
+                    help="the format's codebook (the bit-product stages need a linear one)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        data = _gen(shape, dev, 0, None)
+        data = _gen(shape, dev, 0, None, codebook=args.codebook)
         q4 = data.q[:, :, None, :]
         sdpa, _ = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
             q4, d.k, d.v, enable_gqa=True)], args.reps)
@@ -74,7 +77,8 @@ def main() -> int:
                 ms, graphs = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
                                                                            d.cache.v_pool[0], d.page_table,
                                                                            d.lengths, 0)], args.reps)
-                row = {"shape": name, "system": system, "variant": spec, "ms": ms, "sdpa_ms": sdpa}
+                row = {"shape": name, "system": system, "variant": spec, "codebook": args.codebook, "ms": ms,
+                       "sdpa_ms": sdpa}
                 print(f"{name} {system} [{spec or 'default'}] {ms:.4f} ms x{ms / sdpa:.3f} SDPA")
                 if args.check:
                     row["check"] = chk = _check(reader, plan, data, data.codec)

@@ -244,11 +244,13 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                  GATED=True),
                             num_warps=1, sass_dir=sd, tag=t)
             if not fixed and want(K._value_order):
-                compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
-                                                 vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32, TMAX="i32",
-                                                 RATE="fp64", BK="i32", BV_FIXED="i32"),
-                            dict(USE_RATE=True, HKV=hk, HG=hg, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), **vc),
-                            num_warps=nw, sass_dir=sd, tag=t)
+                for sort in ((False, True) if name == "flex" else (False,)):  # depth-sorted: bit-product Values
+                    compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
+                                                     vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32, TMAX="i32",
+                                                     RATE="fp64", BK="i32", BV_FIXED="i32"),
+                                dict(USE_RATE=True, HKV=hk, HG=hg, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()),
+                                     SORT=sort, **vc),
+                                num_warps=nw, sass_dir=sd, tag=t + ("-sort" if sort else ""))
             if want(K._value_stage_f):
                 for compact in ((False,) if fixed else (True, False)):
                     compile_one(K._value_stage_f, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI,
@@ -278,8 +280,15 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             compile_one(L._key_stage_mma, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, off_ptr=P32, vf_ptr=P32,
                                                nst_ptr=P32, base_ptr=PI, logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI,
                                                scale="fp32", SLOTS="i32", TMAX="i32", SMAX="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=MMA_WARPS, PREFETCH=2), num_warps=MMA_WARPS,
-                        sass_dir=sd, tag=tag)
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=MMA_WARPS, PREFETCH=2, BITS=0),
+                        num_warps=MMA_WARPS, sass_dir=sd, tag=tag)
+        if g <= 4 and want(L._value_stage_mma):
+            compile_one(L._value_stage_mma, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
+                                                 sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
+                                                 linw_ptr=PI, part_ptr=PI, vscale="fp32", SLOTS="i32", TMAX="i32",
+                                                 NSK="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
+                             BLK=1024, BITS=2), num_warps=max(1, d // 128), sass_dir=sd, tag=tag)
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

@@ -17,6 +17,7 @@ import torch
 
 from planekv.kernels.bench import SHAPES, _gen, _policy
 from planekv.kernels.reader import TritonReader
+from planekv.kvstore.codebook import CODEBOOKS
 
 
 def main() -> int:
@@ -24,14 +25,22 @@ def main() -> int:
     ap.add_argument("--shape", default="b32-t32k", choices=sorted(SHAPES))
     ap.add_argument("--system", default="readkv-flex-r2")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS)
+    ap.add_argument("--set", action="append", default=[], dest="attrs", metavar="NAME=VALUE",
+                    help="a TritonReader attribute (int if it parses as one)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     dev = torch.device("cuda")
-    data = _gen(shape, dev, 0, None)
+    data = _gen(shape, dev, 0, None, codebook=args.codebook)
     pol = _policy(args.system, None)
     if pol is None:
         raise SystemExit(f"unknown ReadKV system {args.system}")
     reader = TritonReader(data.codec, pol)
+    for item in args.attrs:
+        k, v = item.split("=", 1)
+        if not hasattr(reader, k):
+            raise SystemExit(f"TritonReader has no attribute {k!r}")
+        setattr(reader, k, int(v) if v.lstrip("-").isdigit() else v)
     plan = reader.plan(shape.batch, shape.tokens, dev)
     for _ in range(1 + args.steps):
         reader.run(plan, data.q, data.cache.k_pool[0], data.cache.v_pool[0], data.page_table, data.lengths, 0)

@@ -1214,22 +1214,54 @@ def _pick(v, gg, g: tl.constexpr):
 
 
 @triton.jit
+def _depth_sorted_slots(s, W: tl.constexpr):
+    """Each depth > 0 token's slot in a counting sort of the block by depth, deepest first, stable:
+    the tokens of depth > s, then its rank among the tokens of depth s. The running counts of the
+    depths are two prefix sums of int64 words holding four 16-bit counters each (depths 1-4, 5-8;
+    a block holds at most 2048 tokens)."""
+    tl.static_assert(W <= 8, "two words of four 16-bit depth counters")
+    act = s > 0
+    sh = (16 * ((s - 1) & 3)).to(tl.int64)
+    one = tl.where(act, tl.full(s.shape, 1, tl.int64) << sh, 0)
+    lo_w = tl.where(s <= 4, one, 0)
+    hi_w = tl.where(s > 4, one, 0)
+    c_lo = tl.cumsum(lo_w, 0)
+    c_hi = tl.cumsum(hi_w, 0)
+    t_lo = tl.sum(lo_w, 0)
+    t_hi = tl.sum(hi_w, 0)
+    rank = ((tl.where(s <= 4, c_lo, c_hi) >> sh) & 0xFFFF).to(tl.int32) - 1
+    above = tl.zeros(s.shape, tl.int32)
+    for dd in tl.static_range(1, W + 1):
+        if dd <= 4:
+            n_dd = ((t_lo >> (16 * (dd - 1))) & 0xFFFF).to(tl.int32)
+        else:
+            n_dd = ((t_hi >> (16 * (dd - 5))) & 0xFFFF).to(tl.int32)
+        above += tl.where(s < dd, n_dd, 0)
+    return above + rank
+
+
+@triton.jit
 def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr, vcnt_ptr, TMAX, RATE, BK, BV_FIXED,
                  USE_RATE: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, NT_PAD: tl.constexpr):
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, SORT: tl.constexpr = False):
     """Token depths of a block (as in :func:`_value_stage_c`) and the list of its depth > 0 tokens
-    in position order (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many), for
-    the compacting FMA Value stage. A kernel of its own: the depths' tie ranks over the whole block
-    need many registers, which would otherwise cap the occupancy of the Value stage's loop."""
+    (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many), for the compacting
+    Value stages: in position order, or with SORT deepest first (position order within a depth; the
+    bit-product Value stage, whose steps of 16 tokens loop over their deepest token's planes). A
+    kernel of its own: the depths' tie ranks over the whole block need many registers, which would
+    otherwise cap the occupancy of the Value stage's loop."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
     lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
                           BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
-    # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread
-    # decodes its own token, so tokens of mixed depths in one tile cost nothing extra)
     act = s > 0
-    slot = tl.cumsum(act.to(tl.int32), 0) - 1
+    if SORT:
+        slot = _depth_sorted_slots(s, W)
+    else:
+        # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread
+        # decodes its own token, so tokens of mixed depths in one tile cost nothing extra)
+        slot = tl.cumsum(act.to(tl.int32), 0) - 1
     tl.store(vord_ptr + pid_bh * TMAX + blk * BLK + slot, (((W - s) << 11) | lp).to(tl.int16), mask=act)
     tl.store(vcnt_ptr + pid_bh * NBLK + blk, tl.sum(act.to(tl.int32), 0))
 

@@ -1,5 +1,5 @@
-"""The Key stage as a product of plane bits, for codebooks linear in the planes (docs/DECISIONS.md,
-docs/KERNEL_NOTES.md runs 45-46).
+"""The Key and Value stages as products of plane bits, for codebooks linear in the planes
+(docs/DECISIONS.md, docs/KERNEL_NOTES.md runs 45-50).
 
 With a linear codebook (``planekv.kvstore.UniformLinearTree``) the depth-t value of a code is
 ``a_t + sum_{j<t} w_tj b_j``, so a query head's logit over a token is
@@ -15,33 +15,60 @@ pairs (c, j < t_c)] with V [pairs x G]. The bits enter mma.sync as fp16 2^-7 per
 steps of 16 laid out in fragment order and folds the weights; ``_key_stage_mma`` builds the MMA
 fragments in registers with inline PTX (GPU only) and writes logits and per-split softmax statistics
 like the FMA Key stage. :func:`mma_operands` is the torch reference of ``_lin_prep``.
+
+``_value_stage_mma`` is the mirror image for the Value stage (bits [channels x tokens] times the
+tokens' probabilities folded with w_tj), over the depth-sorted token lists of ``_value_order``; its
+bits enter the MMAs signed (+1 / -1) so that float32 accumulation stays at the output's scale.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kvstore import UniformLinearTree
+from .decode import _load_scalar, _softmax_stats
 
 BIT_SCALE = 128.0  # a set bit is fp16 0x2000 = 2^-7; V carries the 2^7
 _BIT_SCALE = tl.constexpr(BIT_SCALE)
 _KCH = tl.constexpr(16)  # pairs per MMA step (the K of one mma.m16n8k16)
 
 
-def _mma_asm(n_tiles: int) -> str:
+# how a plane bit becomes an fp16 MMA operand (the BITS constexpr of the bit-product stages; docs/KERNEL_NOTES.md
+# run 50): 0 "shifted" to 2^-7 (a shift and a mask per register of two bits), 1 "in-place" as the fp16
+# subnormal 2^(k - 24) of its position k (one mask; measured less accurate), 2 "signed": +1 for a clear
+# bit, -1 for a set one (a shift, a mask and an or), so that sums of p w_j b_j do not pile up a large positive
+# part that the constant a_t takes back (the Value stage's float32 accumulation error, run 50)
+MMA_BITS = ("shifted", "in-place", "signed")
+
+
+def _mma_asm(n_tiles: int, bits: str = "shifted") -> str:
     """PTX for one K step of a warp's n_tiles M-tiles: $0..$(4n-1) the new accumulators, then inputs
     z01, z23 (two pairs' plane bytes as 16-bit halves), b0, b1 (V^T words), the old accumulators.
-    Tile i's A fragment: rows g / g+8 are bits 2i / 2i+1 of the bytes, as fp16 2^-7 (0x2000). All
-    fragments first, then the tiles' MMAs back to back (independent accumulators)."""
+    Tile i's A fragment: rows g / g+8 are bits 2i / 2i+1 of the bytes, as ``bits`` (:data:`MMA_BITS`)
+    says: in place, row g / g+8 of tile i come out scaled by 2^(2i - 24) / 2^(2i - 23). All fragments
+    first, then the tiles' MMAs back to back (independent accumulators)."""
+    if bits not in MMA_BITS:
+        raise ValueError(f"bits must be one of {MMA_BITS}, got {bits!r}")
     n = 4 * n_tiles
     z01, z23, b0, b1 = (f"${n + k}" for k in range(4))
     lines = ["{", f".reg .b32 a<{n}>;"]
+    if bits == "signed":
+        lines += [".reg .b32 one;", "mov.b32 one, 0x3c003c00;"]
     for i in range(n_tiles):
         for r, (z, sh) in enumerate(((z01, 13 - 2 * i), (z01, 12 - 2 * i), (z23, 13 - 2 * i), (z23, 12 - 2 * i))):
-            lines.append(f"shl.b32 a{4 * i + r}, {z}, {sh};")
-            lines.append(f"and.b32 a{4 * i + r}, a{4 * i + r}, 0x20002000;")
+            a = f"a{4 * i + r}"
+            if bits == "in-place":
+                lines.append(f"and.b32 {a}, {z}, {hex(0x10001 << (13 - sh))};")
+            elif bits == "signed":  # bit k to the sign bit of 1.0: (z << (15 - k)) & 0x80008000 | one
+                lines.append(f"shl.b32 {a}, {z}, {sh + 2};")
+                lines.append(f"lop3.b32 {a}, {a}, 0x80008000, one, 0xea;")
+            else:
+                lines.append(f"shl.b32 {a}, {z}, {sh};")
+                lines.append(f"and.b32 {a}, {a}, 0x20002000;")
     for i in range(n_tiles):
         d = ", ".join(f"${4 * i + r}" for r in range(4))
         c = ", ".join(f"${n + 4 + 4 * i + r}" for r in range(4))
@@ -53,23 +80,37 @@ def _mma_asm(n_tiles: int) -> str:
 
 MMA_TILES = 4  # M-tiles of 16 rows per warp: 64 tokens, one 64-token page
 _MMA_ASM = tl.constexpr(_mma_asm(MMA_TILES))
+_MMA_ASM_IN_PLACE = tl.constexpr(_mma_asm(MMA_TILES, "in-place"))
+_MMA_ASM_SIGNED = tl.constexpr(_mma_asm(MMA_TILES, "signed"))
 _MMA_CONS = tl.constexpr(",".join(["=f"] * (4 * MMA_TILES) + ["r"] * 4 + ["f"] * (4 * MMA_TILES)))
 
 
 @triton.jit
-def _mma_step(z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+def _mma_step(z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+              BITS: tl.constexpr = 0):
+    if BITS == 2:
+        asm: tl.constexpr = _MMA_ASM_SIGNED
+    elif BITS == 1:
+        asm: tl.constexpr = _MMA_ASM_IN_PLACE
+    else:
+        asm: tl.constexpr = _MMA_ASM
     return tl.inline_asm_elementwise(
-        _MMA_ASM, _MMA_CONS, [z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+        asm, _MMA_CONS, [z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
         dtype=(tl.float32,) * 16, is_pure=True, pack=1)
 
 
 @triton.jit
-def _mma_logit(hi, lo, k: tl.constexpr, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G: tl.constexpr):
+def _mma_logit(hi, lo, k: tl.constexpr, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G: tl.constexpr,
+               BITS: tl.constexpr = 0):
     """Query head q's logit of token 8g + k (a thread's two accumulator columns: the V hi and lo
     products); stored, and returned (-inf where it is no logit) for the split's statistics."""
     tok = tok8 + k
     ok = (tok < T) & (q < G)
-    lg = (hi + lo + tl.load(base_ptr + q0 + q, mask=q < G, other=0.0)) * scale  # bits 2^-7 x V 2^7
+    if BITS == 1:  # bit k as fp16 2^(k - 24), V 2^7
+        hl = (hi + lo) * (1 << (17 - k))
+    else:  # bits 2^-7 x V 2^7
+        hl = hi + lo
+    lg = (hl + tl.load(base_ptr + q0 + q, mask=q < G, other=0.0)) * scale
     lg = tl.where(ok, lg, float("-inf"))
     tl.store(logit_ptr + (q0 + q) * TMAX + tok, lg, mask=ok)
     return lg
@@ -104,7 +145,8 @@ def _mma_operands(pb, op, vp, s):
 @triton.jit
 def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, logit_ptr, mstat_ptr, sstat_ptr,
                    scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                   W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                   BITS: tl.constexpr = 0):
     """The bit product with mma.sync fragments built in registers (GPU only: inline PTX). Program
     (b*Hkv + h, split) of NWARP pages of 64 tokens, one page per warp, one tensor element per thread
     (lane 4g + q). Per K step of 16 pairs (:func:`mma_operands`' fragment order) a thread loads byte g
@@ -113,6 +155,7 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
     8g + 2i + 1, and a thread's two columns are query head q's hi and lo products, so its 8 logits need
     no other lane."""
     tl.static_assert(P == 64, "one 64-token page per warp")
+    tl.static_assert(BITS < 2, "0/1 bits (shifted or in place)")
     tl.static_assert(G <= 4, "hi and lo halves of up to 4 query heads in the 8 MMA columns")
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -143,7 +186,7 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
             b0n = tl.load(vp + nxt * 64)
             b1n = tl.load(vp + nxt * 64 + 32)
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
-                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BITS)
             z01, z23, b0, b1 = z01n, z23n, b0n, b1n
             o0, o1, o2, o3 = p0, p1, p2, p3
     elif PREFETCH == 1:  # the next step's bytes and V words requested before this step's MMAs
@@ -151,25 +194,25 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
         for s in range(0, n_steps):
             z01n, z23n, b0n, b1n = _mma_operands(pb, op, vp, tl.minimum(s + 1, n_steps - 1))
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
-                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BITS)
             z01, z23, b0, b1 = z01n, z23n, b0n, b1n
     else:
         for s in range(0, n_steps):
             z01, z23, b0, b1 = _mma_operands(pb, op, vp, s)
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
-                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+                z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BITS)
     q0 = b * HQ + h * G
     tok8 = split * (NWARP * P) + w * P + 8 * g  # token 8g of the warp's page
     # M-tile i: c(4i), c(4i+1) are row g (token 8g + 2i), c(4i+2), c(4i+3) row g + 8 (token 8g + 2i + 1);
     # columns 2q / 2q + 1 are query head q's V hi / lo products
-    l0 = _mma_logit(c0, c1, 0, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l1 = _mma_logit(c2, c3, 1, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l2 = _mma_logit(c4, c5, 2, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l3 = _mma_logit(c6, c7, 3, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l4 = _mma_logit(c8, c9, 4, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l5 = _mma_logit(c10, c11, 5, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l6 = _mma_logit(c12, c13, 6, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l7 = _mma_logit(c14, c15, 7, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l0 = _mma_logit(c0, c1, 0, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l1 = _mma_logit(c2, c3, 1, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l2 = _mma_logit(c4, c5, 2, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l3 = _mma_logit(c6, c7, 3, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l4 = _mma_logit(c8, c9, 4, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l5 = _mma_logit(c10, c11, 5, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l6 = _mma_logit(c12, c13, 6, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    l7 = _mma_logit(c14, c15, 7, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
     mt = tl.maximum(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), tl.maximum(tl.maximum(l4, l5),
                                                                                   tl.maximum(l6, l7)))
     msel = tl.zeros([32 * NWARP], tl.float32)
@@ -181,6 +224,242 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
          + tl.exp(l5 - msel) + tl.exp(l6 - msel) + tl.exp(l7 - msel))
     for n in tl.static_range(G):
         tl.store(sstat_ptr + (q0 + n) * NSPLIT + split, tl.sum(tl.where(q == n, e, 0.0), 0))
+
+
+# ----------------------------------------------------------------------------- the Value stage
+
+
+@triton.jit
+def _pack_f16x2(lo, hi):
+    """Two float32 tensors rounded to fp16 (nearest) in one word: ``lo`` in bits 0-15."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _v_half(pv, s, j, linw_ptr, lo_f, W: tl.constexpr):
+    """An entry's B value in plane j: pv (its probability times the B scale) times w_{s,j}, the fp16
+    high half (lo_f = 0) or the rest below it (lo_f = 1), in float32 for :func:`_pack_f16x2`."""
+    x = pv * tl.load(linw_ptr + s * W + j)
+    return x - lo_f * x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _v_kv(obase, e, n_items, W: tl.constexpr):
+    """List entry e ((W - depth) << 11 | position in the block); past the list a depth-0 entry."""
+    return tl.load(obase + e, mask=e < n_items, other=W << 11).to(tl.int32)
+
+
+@triton.jit
+def _v_first(obase, e, n_items, W: tl.constexpr):
+    """Entry e as a scalar (the first entry of a step: its deepest)."""
+    i = e + tl.arange(0, 1)
+    return tl.sum(tl.load(obase + i, mask=i < n_items, other=W << 11).to(tl.int32), 0)
+
+
+@triton.jit
+def _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr, W: tl.constexpr):
+    """An entry's page and logit (issued a step before they are used)."""
+    live = (kv >> 11) < W
+    pos = blk * BLK + (kv & 2047)
+    page = tl.load(pgrow + pos // P, mask=live, other=0)
+    lg = tl.load(lrow + pos, mask=live & col_ok, other=float("-inf"))
+    return page, lg
+
+
+@triton.jit
+def _v_entry(kv, page, lg, m_t, iz_t, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr):
+    """(offset of the entry's plane-0 byte in column bc, its depth, its probability x the B scale)."""
+    row = (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc
+    return row, W - (kv >> 11), tl.exp(lg - m_t) * iz_t
+
+
+@triton.jit
+def _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr):
+    """Plane j's bytes of the four entries (masked below their depths) as two words of 16-bit lanes."""
+    x0 = tl.load(vb_ptr + r0 + j * PLANE, mask=j < s0, other=0).to(tl.int32)
+    x1 = tl.load(vb_ptr + r1 + j * PLANE, mask=j < s1, other=0).to(tl.int32)
+    x2 = tl.load(vb_ptr + r2 + j * PLANE, mask=j < s2, other=0).to(tl.int32)
+    x3 = tl.load(vb_ptr + r3 + j * PLANE, mask=j < s3, other=0).to(tl.int32)
+    return x0 | (x1 << 16), x2 | (x3 << 16)
+
+
+@triton.jit
+def _v_kvs(obase, first, e0, n_items, W: tl.constexpr):
+    """A lane's four entries of the step starting at list entry ``first`` (2q, 2q+1, 2q+8, 2q+9) and
+    the step's first (deepest) entry."""
+    return (_v_kv(obase, first + e0, n_items, W), _v_kv(obase, first + e0 + 1, n_items, W),
+            _v_kv(obase, first + e0 + 8, n_items, W), _v_kv(obase, first + e0 + 9, n_items, W),
+            _v_first(obase, first, n_items, W))
+
+
+@triton.jit
+def _v_fetches(k0, k1, k2, k3, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr, W: tl.constexpr):
+    """The four entries' pages and logits: (page x 4, logit x 4)."""
+    g0, l0 = _v_fetch(k0, pgrow, lrow, blk, col_ok, BLK, P, W)
+    g1, l1 = _v_fetch(k1, pgrow, lrow, blk, col_ok, BLK, P, W)
+    g2, l2 = _v_fetch(k2, pgrow, lrow, blk, col_ok, BLK, P, W)
+    g3, l3 = _v_fetch(k3, pgrow, lrow, blk, col_ok, BLK, P, W)
+    return g0, g1, g2, g3, l0, l1, l2, l3
+
+
+@triton.jit
+def _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """:func:`_v_bytes` of both byte columns (the second one 8 bytes on; a copy of the first when d = 64)."""
+    z01, z23 = _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE)
+    if TWO:
+        y01, y23 = _v_bytes(vb_ptr, r0 + 8, r1 + 8, r2 + 8, r3 + 8, s0, s1, s2, s3, j, PLANE)
+    else:
+        y01, y23 = z01, z23
+    return z01, z23, y01, y23
+
+
+@triton.jit
+def _v_plane(z01, z23, y01, y23, p0, p1, p2, p3, s0, s1, s2, s3, j, linw_ptr, lo_f, c0, c1, c2, c3, c4, c5, c6, c7,
+             c8, c9, c10, c11, c12, c13, c14, c15, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14,
+             d15, W: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr):
+    """One plane of a step: B from the entries' probabilities and w_{s,j}, the MMAs of both byte columns."""
+    b0 = _pack_f16x2(_v_half(p0, s0, j, linw_ptr, lo_f, W), _v_half(p1, s1, j, linw_ptr, lo_f, W))
+    b1 = _pack_f16x2(_v_half(p2, s2, j, linw_ptr, lo_f, W), _v_half(p3, s3, j, linw_ptr, lo_f, W))
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _mma_step(
+        z01, z23, b0, b1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BITS)
+    if TWO:
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15 = _mma_step(
+            y01, y23, b0, b1, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, BITS)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, d0, d1, d2, d3, d4, d5, d6, d7, d8,
+            d9, d10, d11, d12, d13, d14, d15)
+
+
+@triton.jit
+def _v_store8(part_ptr, prow, OFF: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+              inv, ab, ok, BITS: tl.constexpr):
+    """The 8 channels OFF + 0..7 of one byte column from 4 M-tiles' accumulators (hi, lo pairs)."""
+    _v_store(part_ptr, prow, OFF + 0, c0, c1, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 1, c2, c3, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 2, c4, c5, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 3, c6, c7, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 4, c8, c9, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 5, c10, c11, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 6, c12, c13, inv, ab, ok, BITS)
+    _v_store(part_ptr, prow, OFF + 7, c14, c15, inv, ab, ok, BITS)
+
+
+@triton.jit
+def _v_store(part_ptr, prow, ch: tl.constexpr, hi, lo, inv, ab, ok, BITS: tl.constexpr):
+    """Channel ch of the lane's byte columns (bit ch % 8: M-tile (ch % 8) // 2, row ch % 2)."""
+    if BITS == 1:
+        tl.store(part_ptr + prow + ch, (hi + lo) * (inv * (1 << (24 - ch % 8))) + ab, mask=ok)
+    elif BITS == 2:
+        tl.store(part_ptr + prow + ch, (hi + lo) * inv + ab, mask=ok)
+    else:
+        tl.store(part_ptr + prow + ch, (hi + lo) * (inv * 128.0) + ab, mask=ok)
+
+
+@triton.jit
+def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vord_ptr, vcnt_ptr, lina_ptr,
+                     linw_ptr, part_ptr, vscale, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
+                     G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                     P: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr = 2):
+    """The Value stage as a product of plane bits (linear codebooks; GPU only: inline PTX), the mirror
+    of :func:`_key_stage_mma`. Program (b*Hkv + h, block of BLK tokens) over the block's depth > 0
+    tokens as ``_value_order`` listed them deepest first (SORT), in steps of 16 list entries, one warp
+    per 128 channels (64 for d = 64). A token's value is ``a_s + sum_{j<s} w_sj b_j`` (with BITS = 2,
+    the signed form: ``lina`` holds c_s = a_s + sum_j w_sj / 2 and ``linw`` -w_sj / 2, b_j the sign
+    1 - 2 b_j), so
+
+        part[g, c] = sum_t p_gt a_{s_t} + sum_j sum_t (p_gt w_{s_t j}) b_tcj
+
+    and per step and plane j below the step's deepest token: A = the bits [channels x 16 tokens], one
+    byte load per token and 8 channels (M-tile i's rows gid / gid + 8 are channels 8 gid + 2i / + 1 of
+    byte column gid, as the Key stage's tokens), B = [16 tokens x 8 columns] with column 2n query head
+    n's ``p w`` fp16 high half and 2n + 1 its low half; lane (gid, q) holds B column gid of the same four
+    tokens (2q, 2q+1, 2q+8, 2q+9) whose bytes it loads, and its accumulator columns 2q / 2q + 1 are
+    query head q's two halves. Entries, pages and logits are loaded a step ahead; the emulation in
+    tests/kernels/test_linear.py follows this lane by lane."""
+    tl.static_assert(G <= 4, "hi and lo halves of up to 4 query heads in the 8 MMA columns")
+    tl.static_assert(D % 64 == 0, "64 channels per 4 M-tiles")
+    TWO: tl.constexpr = D >= 128  # 8 M-tiles (two byte columns, 128 channels) per warp, else 4
+    CW: tl.constexpr = 128 if D >= 128 else 64
+    NWARP: tl.constexpr = D // CW
+    NB8: tl.constexpr = D // 8
+    PLANE: tl.constexpr = P * NB8
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    t = tl.arange(0, 32 * NWARP)
+    w = t // 32
+    gid = (t % 32) // 4
+    q = t % 4
+    gc = gid // 2  # the query head of B column gid (even: high half, odd: low half)
+    lo_f = (gid % 2).to(tl.float32)
+    col_ok = gc < G
+    mg, zs = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
+    gg = tl.arange(0, G2)
+    zero = tl.zeros([32 * NWARP], tl.float32)
+    m_t = zero
+    iz_t = zero
+    for n in tl.static_range(G):
+        m_t = tl.where(gc == n, tl.sum(tl.where(gg == n, mg, 0.0), 0), m_t)
+        iz_t = tl.where(gc == n, tl.sum(tl.where(gg == n, 1.0 / zs, 0.0), 0), iz_t)
+    iz_t = iz_t * vscale  # B carries the scale (fp16 range for p w, kept above the subnormals)
+    lrow = logit_ptr + (b * HQ + h * G + tl.minimum(gc, G - 1)) * TMAX
+    pgrow = pt_ptr + pid_bh * SLOTS
+    obase = vord_ptr + pid_bh * TMAX + blk * BLK
+    n_items = _load_scalar(vcnt_ptr + pid_bh * NBLK + blk)
+    bc = (CW // 8) * w + gid  # the lane's byte column (and bc + 8 for M-tiles 4-7)
+    e0 = 2 * q
+    c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
+    c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
+    d0, d1, d2, d3, d4, d5, d6, d7 = zero, zero, zero, zero, zero, zero, zero, zero
+    d8, d9, d10, d11, d12, d13, d14, d15 = zero, zero, zero, zero, zero, zero, zero, zero
+    asum = zero
+    # entries two steps ahead, pages and logits one
+    k0, k1, k2, k3, f0 = _v_kvs(obase, 0, e0, n_items, W)
+    pg0, pg1, pg2, pg3, lg0, lg1, lg2, lg3 = _v_fetches(k0, k1, k2, k3, pgrow, lrow, blk, col_ok, BLK, P, W)
+    n0, n1, n2, n3, fn = _v_kvs(obase, 16, e0, n_items, W)
+    for k in range(0, tl.cdiv(n_items, 16)):
+        nn0, nn1, nn2, nn3, fnn = _v_kvs(obase, 16 * k + 32, e0, n_items, W)
+        qg0, qg1, qg2, qg3, mg0, mg1, mg2, mg3 = _v_fetches(n0, n1, n2, n3, pgrow, lrow, blk, col_ok, BLK, P, W)
+        r0, s0, p0 = _v_entry(k0, pg0, lg0, m_t, iz_t, bc, W, P, NB8)
+        r1, s1, p1 = _v_entry(k1, pg1, lg1, m_t, iz_t, bc, W, P, NB8)
+        r2, s2, p2 = _v_entry(k2, pg2, lg2, m_t, iz_t, bc, W, P, NB8)
+        r3, s3, p3 = _v_entry(k3, pg3, lg3, m_t, iz_t, bc, W, P, NB8)
+        asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
+                 + p3 * tl.load(lina_ptr + s3))
+        for j in range(0, W - (f0 >> 11)):  # planes below the step's deepest token
+            z01, z23, y01, y23 = _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE, TWO)
+            (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, d0, d1, d2, d3, d4, d5, d6, d7,
+             d8, d9, d10, d11, d12, d13, d14, d15) = _v_plane(
+                z01, z23, y01, y23, p0, p1, p2, p3, s0, s1, s2, s3, j, linw_ptr, lo_f, c0, c1, c2, c3, c4, c5,
+                c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11,
+                d12, d13, d14, d15, W, TWO, BITS)
+        k0, k1, k2, k3, f0 = n0, n1, n2, n3, fn
+        pg0, pg1, pg2, pg3, lg0, lg1, lg2, lg3 = qg0, qg1, qg2, qg3, mg0, mg1, mg2, mg3
+        n0, n1, n2, n3, fn = nn0, nn1, nn2, nn3, fnn
+    # sum_t p a_s: B column gid = 2n (high halves) holds query head n's; lanes q = 0..3 of those
+    # columns cover the 16 entries of every step (warp 0's copy: every warp computed the same)
+    asum = asum / vscale
+    ab = zero
+    for n in tl.static_range(G):
+        ab = tl.where(q == n, tl.sum(tl.where((gid == 2 * n) & (w == 0), asum, 0.0), 0), ab)
+    inv = 1.0 / vscale  # B x vscale; the bits' fp16 values undone per M-tile row by _v_store
+    ok = q < G
+    prow = ((b * HQ + h * G + tl.minimum(q, G - 1)) * NBLK + blk) * D + CW * w + 8 * gid
+    # M-tile i: c(4i), c(4i+1) row gid (channel 8 gid + 2i of the byte column), c(4i+2), c(4i+3) row gid + 8
+    _v_store8(part_ptr, prow, 0, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, inv, ab, ok,
+              BITS)
+    if TWO:  # M-tiles 4-7: byte column bc + 8
+        _v_store8(part_ptr, prow, 64, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, inv, ab, ok,
+                  BITS)
+
+
+def value_scale(tree: UniformLinearTree) -> float:
+    """The bit-product Value stage's B scale: the largest power of two that keeps p w_tj (p <= 1)
+    below 2^15 in fp16."""
+    _, wt = linear_tables(tree)
+    return float(2.0 ** math.floor(math.log2(32768.0 / float(wt.abs().max()))))
 
 
 @triton.jit
@@ -314,4 +593,4 @@ def key_stage_mma(k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch
                                                PREFETCH=prefetch, num_warps=num_warps)
 
 
-__all__ = ["BIT_SCALE", "key_stage_mma", "linear_fold", "linear_tables", "mma_operands"]
+__all__ = ["BIT_SCALE", "key_stage_mma", "linear_fold", "linear_tables", "mma_operands", "value_scale"]

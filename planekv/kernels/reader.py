@@ -39,7 +39,7 @@ from .decode import (
     _value_ties,
     next_pow2,
 )
-from .linear import _key_stage_mma, _lin_prep, linear_tables
+from .linear import MMA_BITS, _key_stage_mma, _lin_prep, _value_stage_mma, linear_tables, value_scale
 from .refine import (
     HIST_STRIDE_R,
     RSEL_STRIDE,
@@ -164,6 +164,10 @@ class Plan:
     lin_v: torch.Tensor | None = None  # [B*Hkv, SMAX, 128] f16: 2^7 V hi / lo
     lin_steps: torch.Tensor | None = None  # [B*Hkv] i32
     lin_base: torch.Tensor | None = None  # [B, Hq] f32: base'
+    # the bit-product Value stage (linear codebooks on the GPU, TritonReader.value_mma): vord lists each
+    # block's tokens deepest first
+    value_mma: bool = False
+    vsort: bool = False  # _value_order lists deepest first (set with value_mma)
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
@@ -248,6 +252,14 @@ class TritonReader:
         # up to 4 query heads per KV head; "auto" where it measured faster, True
         # wherever it can run, False never
         self.key_mma: bool | str = "auto"
+        # the Value stage as the mirror product (planekv.kernels.linear._value_stage_mma; KERNEL_NOTES
+        # run 50): the same conditions as key_mma and the compacting FMA Value stage; "auto", True, False
+        self.value_mma: bool | str = "auto"
+        # how the bit-product stages turn a plane bit into an fp16 MMA operand (planekv.kernels.linear.
+        # MMA_BITS; the Key stage takes 0/1 bits only)
+        self.key_bits = "shifted"
+        self.value_bits = "signed"
+        self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         # the FMA Key stage's channel walk (None: by step size, see _key_loop)
@@ -310,7 +322,9 @@ class TritonReader:
         if not isinstance(codec.tree, UniformLinearTree):
             return {}
         a, wt = linear_tables(codec.tree)
-        return {"lin_a": a, "lin_w": wt.reshape(-1).contiguous()}
+        # and the signed form's: a_t + sum_j w_tj b_j = c_t + sum_j (-w_tj / 2) (1 - 2 b_j)
+        return {"lin_a": a, "lin_w": wt.reshape(-1).contiguous(), "lin_c": a + 0.5 * wt.sum(1),
+                "lin_wm": (-0.5 * wt).reshape(-1).contiguous()}
 
     def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
         if device not in self._consts:
@@ -347,6 +361,7 @@ class TritonReader:
             raise ValueError("block_tokens must be <= 2048 with compact_values (11-bit positions)")
         n_pages = math.ceil(max_tokens / p)
         mma = self._key_mma(dev, small)
+        vmma = self._value_mma(dev, small)
         n_splits = math.ceil(n_pages / (MMA_WARPS if mma else pages_per_program))
         n_blocks = math.ceil(max_tokens / block_tokens)
         self._ppk, self._blk = pages_per_program, block_tokens
@@ -397,7 +412,7 @@ class TritonReader:
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
-            lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32),
+            lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32), value_mma=vmma, vsort=vmma,
         )
 
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
@@ -413,6 +428,26 @@ class TritonReader:
         if self.key_mma == "auto":
             return can and spec.head_dim >= 128 and not small
         return can
+
+    def _value_mma(self, dev: torch.device, small: bool = False) -> bool:
+        """Whether plans on ``dev`` run the bit-product Value stage (``value_mma``): a linear codebook,
+        the FMA stages with compaction, a CUDA device, at most 4 query heads per KV head, head_dim a
+        multiple of 64, at most 8 planes; ``"auto"`` (the default) where it measured faster (KERNEL_NOTES
+        run 50): head_dim >= 128 and steps that are not small, as for ``key_mma``."""
+        spec = self.codec.spec
+        can = (bool(self.value_mma) and isinstance(self.codec.tree, UniformLinearTree) and self.assembly == "fma"
+               and self.compact_values and dev.type == "cuda" and spec.group_size <= 4 and spec.head_dim % 64 == 0
+               and spec.width <= 8 and not self.fixed_depth)
+        if self.value_mma == "auto":
+            return can and spec.head_dim >= 128 and not small
+        return can
+
+    def _bits(self, attr: str) -> int:
+        """``key_bits`` / ``value_bits`` as the kernels' BITS constexpr (an index into MMA_BITS)."""
+        v = getattr(self, attr)
+        if v not in MMA_BITS or (attr == "key_bits" and v == "signed"):
+            raise ValueError(f"{attr} must be one of {MMA_BITS if attr != 'key_bits' else MMA_BITS[:2]}, got {v!r}")
+        return MMA_BITS.index(v)
 
     @property
     def _lin_smax(self) -> int:
@@ -527,7 +562,8 @@ class TritonReader:
             _key_stage_mma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
                                           plan.lin_steps, plan.lin_base, plan.logits, plan.mstat, plan.sstat, scale,
                                           slots, tmax, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
-                                          NWARP=MMA_WARPS, PREFETCH=2, num_warps=MMA_WARPS)
+                                          NWARP=MMA_WARPS, PREFETCH=2, BITS=self._bits("key_bits"),
+                                          num_warps=MMA_WARPS)
         elif self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
@@ -586,8 +622,17 @@ class TritonReader:
             if self.compact_values:
                 _value_order[grid](lengths, plan.vimp, c["rv"], plan.hist, plan.ties, plan.vdep, plan.vord, plan.vcnt,
                                    tmax, rate, self.bk, bv_fixed, USE_RATE=use_rate, HKV=hk, HG=self.hg,
-                                   NT_PAD=next_pow2(self.hg * nblk), **vconst, num_warps=aw)
+                                   NT_PAD=next_pow2(self.hg * nblk), SORT=plan.vsort, **vconst, num_warps=aw)
                 mark("value_order")
+        if plan.value_mma:
+            vb = self._bits("value_bits")
+            signed = MMA_BITS[vb] == "signed"  # value = c_t + sum_j (-w_tj / 2) s_j, s_j = 1 - 2 b_j
+            _value_stage_mma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
+                                   plan.vcnt, c["lin_c" if signed else "lin_a"], c["lin_wm" if signed else "lin_w"],
+                                   plan.part, self._vscale, slots, tmax, nsk, HQ=hq, HKV=hk, G=g, G2=g2,
+                                   NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, BITS=vb,
+                                   num_warps=max(1, d // 128))
+        elif self.assembly == "fma":
             _value_stage_f[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
                                  plan.hist, plan.ties, c["tabf"], plan.vdep, plan.vord, plan.vcnt, plan.part, slots,
                                  tmax, nsk,

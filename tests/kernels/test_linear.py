@@ -49,10 +49,11 @@ def _emulate_mma(k_pool: torch.Tensor, pt: torch.Tensor, lengths: list[int], ops
     return out
 
 
-def _linear_cache(hq: int, hk: int, seed: int, lengths: list[int]) -> tuple[Codec, PlaneKVCache, torch.Tensor]:
-    """A uniform-linear-c3 codec, a cache of ``lengths`` tokens per sequence (d = 64) and queries."""
+def _linear_cache(hq: int, hk: int, seed: int, lengths: list[int], d: int = 64
+                  ) -> tuple[Codec, PlaneKVCache, torch.Tensor]:
+    """A uniform-linear-c3 codec, a cache of ``lengths`` tokens per sequence and queries."""
     syn = make_synthetic(n_tokens=max(lengths), n_rows=len(lengths), n_layers=1, n_q_heads=hq, n_kv_heads=hk,
-                         head_dim=64, seed=seed)
+                         head_dim=d, seed=seed)
     spec = dataclasses.replace(syn.spec, codebook="uniform-linear-c3")
     codec = Codec(spec, syn.calibration)
     cache = PlaneKVCache(spec, len(lengths))
@@ -153,3 +154,185 @@ def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> No
     assert forced64._key_mma(cuda)
     lin9, _ = codecs(9, 1, 128)
     assert not TritonReader(lin9, pol)._key_mma(cuda)  # 9 query heads per KV head
+    # the Value stage's bit product (value_mma): the same choice, and only with the compacting stage
+    assert TritonReader(lin, pol)._value_mma(cuda) and not TritonReader(lin, pol)._value_mma(cpu)
+    assert not TritonReader(lin, pol)._value_mma(cuda, small=True) and not TritonReader(gauss, pol)._value_mma(cuda)
+    assert not TritonReader(lin64, pol)._value_mma(cuda) and not TritonReader(lin9, pol)._value_mma(cuda)
+    assert not TritonReader(lin, pol, compact_values=False)._value_mma(cuda)
+    vforced = TritonReader(lin64, pol)
+    vforced.value_mma = True
+    assert vforced._value_mma(cuda) and not vforced._value_mma(cpu)
+    bad = TritonReader(lin, pol)
+    bad.key_bits = "signed"
+    with pytest.raises(ValueError, match="key_bits"):
+        bad._bits("key_bits")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_depth_sorted_value_list(d: int) -> None:
+    """``_value_order`` with SORT (what the bit-product Value stage reads: each step of 16 entries loops
+    over its first entry's planes) lists every block's depth > 0 tokens once, deepest first and in
+    position order within a depth; the FMA Value stage over that list gives the same output."""
+    codec, cache, q = _linear_cache(8, 2, 31 + d, [300, 97], d)
+    policy = ReadPolicy.flexible(2.0, 0.75)
+    runs = {}
+    for sort in (False, True):
+        reader = TritonReader(codec, policy)
+        plan = reader.plan(2, 300, "cpu", block_tokens=128)
+        plan.vsort = sort
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs[sort] = (out.clone(), st, plan.vord.clone(), plan.vcnt.clone())
+    (o0, s0, _, c0), (o1, s1, vord, c1) = runs[False], runs[True]
+    assert torch.equal(s0.v_depths, s1.v_depths) and torch.equal(c0, c1)
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-6)
+    n_mixed = 0
+    for b, t in enumerate([300, 97]):
+        for h in range(2):
+            depths = s1.v_depths[b, h]
+            for blk in range(-(-t // 128)):
+                n = int(c1[b, h, blk])
+                keys = vord[b, h, blk * 128: blk * 128 + n].long()
+                dep, pos = codec.width - (keys >> 11), (keys & 2047) + blk * 128
+                want = torch.nonzero(depths[blk * 128: min(t, blk * 128 + 128)] > 0).flatten() + blk * 128
+                assert n == want.numel() and sorted(pos.tolist()) == want.tolist()
+                assert torch.equal(dep, depths[pos].long())
+                order = sorted(range(n), key=lambda i: (-int(dep[i]), int(pos[i])))
+                assert order == list(range(n))
+                n_mixed += int(dep.unique().numel() > 1)
+    assert n_mixed > 0  # blocks of mixed depths were sorted
+
+
+
+def _mma_m16n8k16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """mma.sync.m16n8k16 (row.col, f16 in, f32 accumulate) over a warp's registers, as PTX lays the
+    fragments out: a [32 lanes, 4 registers, 2 halves] fp16, b [32, 2, 2], c / d [32, 4] float32; lane
+    4 gid + q holds A rows gid / gid + 8 and columns 2q, 2q+1 / 2q+8, 2q+9, B rows 2q, 2q+1 / 2q+8, 2q+9
+    of column gid, C rows gid / gid + 8 of columns 2q, 2q+1."""
+    am = torch.zeros(16, 16)
+    bm = torch.zeros(16, 8)
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        for r, (row, col) in enumerate(((g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8))):
+            am[row, col: col + 2] = a[lane, r].float()
+        for r, k in enumerate((2 * q, 2 * q + 8)):
+            bm[k: k + 2, g] = b[lane, r].float()
+    dm = am.double() @ bm.double()
+    out = c.clone()
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        out[lane] += torch.tensor([dm[g, 2 * q], dm[g, 2 * q + 1], dm[g + 8, 2 * q], dm[g + 8, 2 * q + 1]]).float()
+    return out
+
+
+def _halves(word: torch.Tensor) -> torch.Tensor:
+    """int32 words [...] -> their two 16-bit halves [..., 2] as fp16 (low half first)."""
+    return torch.stack([(word & 0xFFFF), (word >> 16) & 0xFFFF], -1).to(torch.int16).view(torch.float16)
+
+
+def _emulate_value_mma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: torch.Tensor, bits: str) -> torch.Tensor:
+    """What ``_value_stage_mma`` writes to ``part``, lane by lane in torch: its list walk in steps of 16
+    entries, each lane's plane bytes packed into fragment registers as ``_mma_asm`` builds them, its B
+    words (the entries' p w halves), the warp's MMAs (:func:`_mma_m16n8k16`) and the store mapping."""
+    from planekv.kernels.linear import MMA_BITS
+
+    spec = reader.codec.spec
+    hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
+    g = hq // hk
+    c = reader._consts[plan.device]
+    signed = bits == "signed"
+    lina, linw = (c["lin_c"], c["lin_wm"]) if signed else (c["lin_a"], c["lin_w"])
+    vs = reader._vscale
+    blk_t, nblk, nb8 = reader._blk, plan.n_blocks, d // 8
+    cw = 128 if d >= 128 else 64
+    two = d >= 128
+    part = torch.zeros_like(plan.part)
+    lanes = torch.arange(32)
+    gid, q = lanes // 4, lanes % 4
+    gc, lo = gid // 2, (gid % 2).float()
+    for bi in range(plan.batch):
+        for h in range(hk):
+            m = plan.mstat[bi, h * g: (h + 1) * g]
+            mg = m.max(1).values
+            zs = (plan.sstat[bi, h * g: (h + 1) * g] * torch.exp(m - mg[:, None])).sum(1)
+            for blk in range(nblk):
+                n_items = int(plan.vcnt[bi, h, blk])
+                lst = plan.vord[bi, h, blk * blk_t: blk * blk_t + n_items].long()
+                for wq in range(d // cw):
+                    bc = (cw // 8) * wq + gid  # and bc + 8 for M-tiles 4-7
+                    acc = [torch.zeros(32, 4) for _ in range(8 if two else 4)]
+                    asum = torch.zeros(32)
+                    for k in range(-(-n_items // 16)):
+                        ents = [16 * k + 2 * q + o for o in (0, 1, 8, 9)]  # each [32]
+                        live = [e < n_items for e in ents]
+                        kv = [torch.where(lv, lst[e.clamp(max=max(n_items - 1, 0))], w << 11)
+                              for e, lv in zip(ents, live, strict=True)]
+                        dep = [w - (x >> 11) for x in kv]
+                        pos = [blk * blk_t + (x & 2047) for x in kv]
+                        prob = []
+                        for s_, ps in zip(dep, pos, strict=True):
+                            ok = (s_ > 0) & (gc < g)
+                            gg = gc.clamp(max=g - 1)
+                            lg = plan.logits[bi, h * g + gg, ps.clamp(max=plan.max_tokens - 1)]
+                            prob.append(torch.where(ok, torch.exp(lg - mg[gg]) / zs[gg] * vs, torch.zeros(())))
+                        asum += sum(pr * lina[s_] for pr, s_ in zip(prob, dep, strict=True))
+                        for j in range(w - int(lst[16 * k] >> 11)):
+                            byte = []
+                            for s_, ps in zip(dep, pos, strict=True):
+                                page = pt[bi, h, ps // p].long()
+                                row = v_pool[page, j, ps % p]  # [32 lanes, d / 8] bytes
+                                b0 = row[lanes, bc].long()
+                                b1 = row[lanes, (bc + 8) % nb8].long()
+                                byte.append((torch.where(j < s_, b0, 0), torch.where(j < s_, b1, 0)))
+                            bw = []
+                            for pr, s_ in zip(prob, dep, strict=True):
+                                x = pr * linw[s_ * w + j]
+                                bw.append((x - lo * x.half().float()).half())
+                            bfrag = torch.stack([torch.stack(bw[:2], -1), torch.stack(bw[2:], -1)], 1)
+                            for col in range(2 if two else 1):
+                                z01 = byte[0][col] | (byte[1][col] << 16)
+                                z23 = byte[2][col] | (byte[3][col] << 16)
+                                for i in range(4):
+                                    regs = []
+                                    for z, sh in ((z01, 13 - 2 * i), (z01, 12 - 2 * i), (z23, 13 - 2 * i),
+                                                  (z23, 12 - 2 * i)):
+                                        if signed:
+                                            r = ((z << (sh + 2)) & 0x80008000) | 0x3C003C00
+                                        else:
+                                            r = (z << sh) & 0x20002000
+                                        regs.append(_halves(r))
+                                    t = 4 * col + i
+                                    acc[t] = _mma_m16n8k16(torch.stack(regs, 1), bfrag, acc[t])
+                    assert MMA_BITS.index(bits) != 1
+                    inv = 1.0 / vs * (1.0 if signed else 128.0)
+                    ab = torch.zeros(32)
+                    for n in range(g):
+                        ab = torch.where(q == n, asum[gid == 2 * n].sum() / vs, ab)
+                    for t, a in enumerate(acc):
+                        col, i = divmod(t, 4)
+                        for r in range(2):
+                            ch = 8 * (bc + 8 * col) + 2 * i + r
+                            val = (a[:, 2 * r] + a[:, 2 * r + 1]) * inv + ab
+                            for lane in range(32):
+                                if q[lane] < g:
+                                    part[bi, h * g + q[lane], blk, ch[lane]] = val[lane]
+    return part
+
+
+@pytest.mark.parametrize("d,bits", [(128, "signed"), (64, "signed"), (128, "shifted")])
+def test_bit_product_value_stage_emulated(d: int, bits: str) -> None:
+    """The bit-product Value stage's arithmetic (GPU only: inline PTX), emulated lane by lane over the
+    same step's depth-sorted list, logits and statistics, writes the FMA Value stage's partial sums
+    (float32 accuracy): the fragment layouts, the byte columns of each lane, the signed or shifted
+    bits, the B halves and scales, the constant term and the store mapping are right."""
+    codec, cache, q = _linear_cache(8, 2, 70 + d, [300, 97], d)
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.75))
+    plan = reader.plan(2, 300, "cpu", block_tokens=128)
+    plan.vsort = True
+    reader.decode(q, cache, 0, plan=plan)
+    pt = cache.page_table.to(torch.int32)
+    emu = _emulate_value_mma(reader, plan, cache.v_pool[0], pt, bits)
+    for b, t in enumerate([300, 97]):
+        nb = -(-t // 128)
+        torch.testing.assert_close(emu[b, :, :nb], plan.part[b, :, :nb], rtol=2e-5, atol=2e-6)
+    assert float(plan.part[:, :, :1].abs().max()) > 0.01  # the partial sums are not trivially zero
