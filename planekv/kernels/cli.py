@@ -68,5 +68,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")
     a.add_argument("--json", help="write rows and metadata here")
     a.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
-                   help="the format's codebook (a linear one runs the bit-product Key stage where it pays)")
+                   help="the format's codebook (a linear one runs the bit-product Key and Value stages where they pay)")
     a.set_defaults(func=_bench_attention)
