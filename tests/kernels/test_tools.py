@@ -58,3 +58,22 @@ def test_timeline_report_lists_kernels_by_time() -> None:
     assert lines[0] == "b32-t32k / readkv-flex-r2: graph 780.0 us per step, kernels 762.6 us"
     assert "_key_stage_f" in lines[1] and "731.20" in lines[1] and "_prep" in lines[2]
     assert len(lines) == 3  # rows without a timeline are left out
+
+
+def test_word_reads_round_each_word_up_to_its_deepest_channel() -> None:
+    """The token-major layout study (KERNEL_NOTES, the binary-MMA plan): a word of channels is read to
+    its deepest channel's depth, so mixing depths in a word costs bits and sorting by depth saves them."""
+    path = ROOT / "benchmarks" / "tools" / "key_word_reads.py"
+    spec = importlib.util.spec_from_file_location("key_word_reads", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import torch
+
+    dep = torch.tensor([[8, 0, 0, 0, 1, 1, 1, 1]])
+    assert mod.word_cost(dep, torch.arange(8)[None], word=4) == 4 * 8 + 4 * 1
+    assert mod.word_cost(dep, dep.argsort(-1, descending=True), word=4) == 4 * 8 + 4 * 1
+    mixed = torch.tensor([[8, 0, 1, 0, 1, 0, 1, 1]])
+    assert mod.word_cost(mixed, torch.arange(8)[None], word=4) == 4 * 8 + 4 * 1
+    assert mod.word_cost(mixed, torch.tensor([[0, 2, 4, 6, 1, 3, 5, 7]]), word=4) == 4 * 8 + 4 * 1
+    assert mod.word_cost(mixed, torch.tensor([[1, 3, 5, 6, 0, 2, 4, 7]]), word=4) == 4 * 1 + 4 * 8
+    assert mod.word_cost(mixed, torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]]), word=2) == 2 * (8 + 1 + 1 + 1)
