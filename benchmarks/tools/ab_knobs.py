@@ -15,25 +15,11 @@ import json
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _check, _gen, _policy, _time_graphs, _timeline
+from planekv.kernels.bench import SHAPES, _check, _gen, _policy, _time_graphs, _timeline, apply_settings, parse_settings
 from planekv.kernels.reader import TritonReader
 from planekv.kvstore.codebook import CODEBOOKS
 
 PLAN_ARGS = ("pages_per_program", "block_tokens")
-
-
-def _variant(spec: str) -> dict[str, int | float | str]:
-    out: dict[str, int | float | str] = {}
-    for item in filter(None, spec.split(",")):
-        k, v = item.split("=", 1)
-        try:
-            out[k] = int(v)
-        except ValueError:
-            try:
-                out[k] = float(v)
-            except ValueError:
-                out[k] = v
-    return out
 
 
 def main() -> int:
@@ -67,12 +53,12 @@ def main() -> int:
                     if pol is None:
                         raise SystemExit(f"unknown system {system}")
                     reader = TritonReader(data.codec, pol)
-                var = _variant(spec)
+                var = parse_settings(spec)
                 plan_kw = {k: var.pop(k) for k in PLAN_ARGS if k in var}
-                for k, v in var.items():
-                    if not hasattr(reader, k):
-                        raise SystemExit(f"TritonReader has no attribute {k!r}")
-                    setattr(reader, k, v)
+                try:
+                    apply_settings(reader, var)
+                except ValueError as exc:
+                    raise SystemExit(str(exc)) from None
                 plan = reader.plan(shape.batch, shape.tokens, dev, **plan_kw)
                 ms, graphs = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
                                                                            d.cache.v_pool[0], d.page_table,

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _gen, _policy
+from planekv.kernels.bench import SHAPES, _gen, _policy, apply_settings, parse_settings
 from planekv.kernels.reader import TritonReader
 from planekv.kvstore.codebook import CODEBOOKS
 
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS)
     ap.add_argument("--set", action="append", default=[], dest="attrs", metavar="NAME=VALUE",
-                    help="a TritonReader attribute (int if it parses as one)")
+                    help="a TritonReader attribute (int or float where it parses as one)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     dev = torch.device("cuda")
@@ -36,11 +36,11 @@ def main() -> int:
     if pol is None:
         raise SystemExit(f"unknown ReadKV system {args.system}")
     reader = TritonReader(data.codec, pol)
-    for item in args.attrs:
-        k, v = item.split("=", 1)
-        if not hasattr(reader, k):
-            raise SystemExit(f"TritonReader has no attribute {k!r}")
-        setattr(reader, k, int(v) if v.lstrip("-").isdigit() else v)
+    try:
+        for item in args.attrs:
+            apply_settings(reader, parse_settings(item))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     plan = reader.plan(shape.batch, shape.tokens, dev)
     for _ in range(1 + args.steps):
         reader.run(plan, data.q, data.cache.k_pool[0], data.cache.v_pool[0], data.page_table, data.lengths, 0)

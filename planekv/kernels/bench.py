@@ -68,6 +68,30 @@ class Row:
     check: dict[str, Any] = field(default_factory=dict)
 
 
+def parse_settings(spec: str) -> dict[str, int | float | str]:
+    """``"name=value[,name=value]"`` (the tools' reader settings) as a dict; a value is an int or a
+    float where it parses as one, else the string."""
+    out: dict[str, int | float | str] = {}
+    for item in filter(None, spec.split(",")):
+        k, v = item.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def apply_settings(reader: TritonReader, settings: dict[str, int | float | str]) -> None:
+    """Set TritonReader tuning attributes by name (before planning); an unknown name is an error."""
+    for k, v in settings.items():
+        if not hasattr(reader, k):
+            raise ValueError(f"TritonReader has no attribute {k!r}")
+        setattr(reader, k, v)
+
+
 def _policy(system: str, k_share: float | None) -> ReadPolicy | None:
     """The policy of a ReadKV system; the flexible reader's K share is ``k_share``, or when None the
     share frozen by the split search for that rate (the configuration the kernels run by default)."""

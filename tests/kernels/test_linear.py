@@ -236,6 +236,7 @@ def _emulate_value_mma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: tor
     words (the entries' p w halves), the warp's MMAs (:func:`_mma_m16n8k16`) and the store mapping."""
     from planekv.kernels.linear import MMA_BITS
 
+    assert bits in MMA_BITS and bits != "in-place"  # the emulation builds shifted or signed bits
     spec = reader.codec.spec
     hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
     g = hq // hk
@@ -303,7 +304,6 @@ def _emulate_value_mma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: tor
                                         regs.append(_halves(r))
                                     t = 4 * col + i
                                     acc[t] = _mma_m16n8k16(torch.stack(regs, 1), bfrag, acc[t])
-                    assert MMA_BITS.index(bits) != 1
                     inv = 1.0 / vs * (1.0 if signed else 128.0)
                     ab = torch.zeros(32)
                     for n in range(g):

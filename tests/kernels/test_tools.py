@@ -77,3 +77,20 @@ def test_word_reads_round_each_word_up_to_its_deepest_channel() -> None:
     assert mod.word_cost(mixed, torch.tensor([[0, 2, 4, 6, 1, 3, 5, 7]]), word=4) == 4 * 8 + 4 * 1
     assert mod.word_cost(mixed, torch.tensor([[1, 3, 5, 6, 0, 2, 4, 7]]), word=4) == 4 * 1 + 4 * 8
     assert mod.word_cost(mixed, torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]]), word=2) == 2 * (8 + 1 + 1 + 1)
+
+
+def test_reader_settings_of_the_tools() -> None:
+    """ab_knobs.py / profile_step.py's ``--set name=value[,...]``: numbers parsed, unknown names refused."""
+    from planekv.kernels import TritonReader
+    from planekv.kernels.bench import apply_settings, parse_settings
+    from planekv.kvstore import Codec
+    from planekv.kvstore.synthetic import make_synthetic
+
+    assert parse_settings("key_loop=1,value_bits=shifted,x=0.5") == {"key_loop": 1, "value_bits": "shifted", "x": 0.5}
+    assert parse_settings("") == {}
+    syn = make_synthetic(n_tokens=64, n_rows=1, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=64, seed=3)
+    reader = TritonReader(Codec(syn.spec, syn.calibration))
+    apply_settings(reader, parse_settings("hist_window=128,value_bits=shifted"))
+    assert reader.hist_window == 128 and reader.value_bits == "shifted"
+    with pytest.raises(ValueError, match="no attribute 'nope'"):
+        apply_settings(reader, {"nope": 1})
