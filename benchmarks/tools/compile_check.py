@@ -282,6 +282,17 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                scale="fp32", SLOTS="i32", TMAX="i32", SMAX="i32"),
                         dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=MMA_WARPS, PREFETCH=2, BITS=0),
                         num_warps=MMA_WARPS, sass_dir=sd, tag=tag)
+        if g <= 4 and want(L._lin_prep_i8):  # the int8 bit-product Key stage (key_bits="int8")
+            compile_one(L._lin_prep_i8, dict(kdep_ptr=P32, wf_ptr=PI, base_ptr=PI, lina_ptr=PI, linw_ptr=PI,
+                                             off_ptr=P32, vd_ptr="*i8", nst_ptr=P32, base2_ptr=PI, vs_ptr=PI,
+                                             SMAX="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64), num_warps=4, sass_dir=sd, tag=tag)
+        if g <= 4 and want(L._key_stage_imma):
+            compile_one(L._key_stage_imma, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, off_ptr=P32, vd_ptr=P32,
+                                                nst_ptr=P32, base_ptr=PI, vs_ptr=PI, logit_ptr=PI, mstat_ptr=PI,
+                                                sstat_ptr=PI, scale="fp32", SLOTS="i32", TMAX="i32", SMAX="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=4), num_warps=4,
+                        sass_dir=sd, tag=tag)
         if g <= 4 and want(L._value_stage_mma):
             compile_one(L._value_stage_mma, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
                                                  sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,

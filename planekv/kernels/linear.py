@@ -143,6 +143,23 @@ def _mma_operands(pb, op, vp, s):
 
 
 @triton.jit
+def _page_lanes(kb_ptr, pt_ptr, len_ptr, SLOTS, HKV: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                P: tl.constexpr, NWARP: tl.constexpr):
+    """A bit-product Key program's coordinates: (b*Hkv + h, split, b, h, T, splits, warp w, lane group g,
+    lane q, and the address of plane 0, channel 0, byte g of the warp's page)."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    T = tl.load(len_ptr + b)
+    t = tl.arange(0, 32 * NWARP)
+    w = t // 32
+    pg = split * NWARP + w
+    page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pg < tl.cdiv(T, P), other=0).to(tl.int64)
+    g = (t % 32) // 4
+    return pid_bh, split, b, pid_bh % HKV, T, tl.num_programs(1), w, g, t % 4, kb_ptr + page * (W * D * 8) + g
+
+
+@triton.jit
 def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, logit_ptr, mstat_ptr, sstat_ptr,
                    scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr, PREFETCH: tl.constexpr = 0,
@@ -157,19 +174,7 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
     tl.static_assert(P == 64, "one 64-token page per warp")
     tl.static_assert(BITS < 2, "0/1 bits (shifted or in place)")
     tl.static_assert(G <= 4, "hi and lo halves of up to 4 query heads in the 8 MMA columns")
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
-    T = tl.load(len_ptr + b)
-    NSPLIT = tl.num_programs(1)
-    t = tl.arange(0, 32 * NWARP)
-    w = t // 32
-    g = (t % 32) // 4
-    q = t % 4
-    pg = split * NWARP + w
-    page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pg < tl.cdiv(T, P), other=0).to(tl.int64)
-    pb = kb_ptr + page * (W * D * 8) + g  # plane 0, channel 0, byte g of the warp's page
+    pid_bh, split, b, h, T, NSPLIT, w, g, q, pb = _page_lanes(kb_ptr, pt_ptr, len_ptr, SLOTS, HKV, D, W, P, NWARP)
     op = off_ptr + pid_bh * SMAX * 16 + q  # lane q's offset of register r in step s at + 16 s + 4 r
     vp = vf_ptr + pid_bh * SMAX * 64 + g * 4 + q  # column g, lane q: word b of step s at + 64 s + 32 b
     zero = tl.zeros([32 * NWARP], tl.float32)
@@ -213,8 +218,120 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
     l5 = _mma_logit(c10, c11, 5, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
     l6 = _mma_logit(c12, c13, 6, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
     l7 = _mma_logit(c14, c15, 7, tok8, q, base_ptr, logit_ptr, q0, T, TMAX, scale, G, BITS)
+    _split_stats(l0, l1, l2, l3, l4, l5, l6, l7, q, mstat_ptr, sstat_ptr, q0, split, NSPLIT, G, NWARP, 0)
+
+
+# ----------------------------------------------------------------------------- the Key stage on int8 MMAs
+
+# V as int8 digits per query head: V ~ S_g (d0 + d1 / BASE + d2 / BASE^2), S_g = max |V_g| / 127. Each
+# remainder lies in [-1/2, 1/2], so a base of 254 keeps every digit in [-127, 127]; three digits resolve
+# V to 2^-23 of its largest value (float32's own resolution). The products are exact int32 sums.
+IMMA_BASE = 254.0
+_IMMA_BASE = tl.constexpr(IMMA_BASE)
+_IMMA_CONS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 14))
+
+
+def _imma_tile_asm(i: int) -> str:
+    """PTX for M-tile i of one K step of 32 pairs: $0..$3 the new n-tile 0 accumulators, $4..$7 n-tile
+    1's, inputs x, y (the plane bytes of the lane's pairs 4q..4q+3 and 16+4q..16+4q+3 as one word each),
+    the lane's V digit words of n-tile 0 (two) and 1 (two), then the old accumulators. Row g / g + 8 of
+    tile i is bit 2i / 2i + 1 of every byte, left in place: the unsigned A operand is 2^(2i) / 2^(2i+1)
+    per set bit (undone per row in the epilogue), one ``and`` per register of four bits."""
+    lo, hi = hex(0x01010101 << (2 * i)), hex(0x02020202 << (2 * i))
+    return "\n".join([
+        "{", ".reg .b32 a<4>;",
+        f"and.b32 a0, $8, {lo};", f"and.b32 a1, $8, {hi};", f"and.b32 a2, $9, {lo};", f"and.b32 a3, $9, {hi};",
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$10, $11}, "
+        "{$14, $15, $16, $17};",
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$4, $5, $6, $7}, {a0, a1, a2, a3}, {$12, $13}, "
+        "{$18, $19, $20, $21};",
+        "}"])
+
+
+_IMMA_T0 = tl.constexpr(_imma_tile_asm(0))
+_IMMA_T1 = tl.constexpr(_imma_tile_asm(1))
+_IMMA_T2 = tl.constexpr(_imma_tile_asm(2))
+_IMMA_T3 = tl.constexpr(_imma_tile_asm(3))
+# four bytes (the low byte of each input) in one word, the first lowest
+_PACK4 = tl.constexpr("{ .reg .b32 t0, t1; prmt.b32 t0, $1, $2, 0x0040; prmt.b32 t1, $3, $4, 0x0040; "
+                      "prmt.b32 $0, t0, t1, 0x5410; }")
+
+
+@triton.jit
+def _pack4(x0, x1, x2, x3):
+    return tl.inline_asm_elementwise(_PACK4, "=r,r,r,r,r", [x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, TILE: tl.constexpr):
+    if TILE == 0:
+        asm: tl.constexpr = _IMMA_T0
+    elif TILE == 1:
+        asm: tl.constexpr = _IMMA_T1
+    elif TILE == 2:
+        asm: tl.constexpr = _IMMA_T2
+    else:
+        asm: tl.constexpr = _IMMA_T3
+    return tl.inline_asm_elementwise(asm, _IMMA_CONS, [x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7],
+                                     dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _imma_offsets(op, s):
+    """A lane's eight byte offsets of K step s (offsets [S, 2 words v, 4 bytes k, 4 lanes q])."""
+    o = op + s * 32
+    return (tl.load(o), tl.load(o + 4), tl.load(o + 8), tl.load(o + 12), tl.load(o + 16), tl.load(o + 20),
+            tl.load(o + 24), tl.load(o + 28))
+
+
+@triton.jit
+def _ld8(ptr):
+    """A byte into the low bits of a 32-bit register (``ld.global.nc.u8``: nothing to zero-extend again
+    when it is carried across a loop step, as tl.load's byte would be)."""
+    return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _imma_raw(pb, o0, o1, o2, o3, o4, o5, o6, o7):
+    """The eight pairs' bytes of the lane's token octet (pairs 4q..4q+3, then 16+4q..16+4q+3), unpacked."""
+    return (_ld8(pb + o0), _ld8(pb + o1), _ld8(pb + o2), _ld8(pb + o3), _ld8(pb + o4), _ld8(pb + o5), _ld8(pb + o6),
+            _ld8(pb + o7))
+
+
+@triton.jit
+def _imma_logit(a0, a1, a2, k: tl.constexpr, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale,
+                G: tl.constexpr):
+    """Query head q's logit of token 8g + k from its three digit sums (bit k's 2^k undone)."""
+    tok = tok8 + k
+    ok = (tok < T) & (q < G)
+    hl = (a0.to(tl.float32) + (a1.to(tl.float32) + a2.to(tl.float32) / _IMMA_BASE) / _IMMA_BASE)
+    sv = tl.load(vs_ptr + q0 + q, mask=q < G, other=0.0) * (1.0 / (1 << k))
+    lg = (hl * sv + tl.load(base_ptr + q0 + q, mask=q < G, other=0.0)) * scale
+    lg = tl.where(ok, lg, float("-inf"))
+    tl.store(logit_ptr + (q0 + q) * TMAX + tok, lg, mask=ok)
+    return lg
+
+
+@triton.jit
+def _split_stats(l0, l1, l2, l3, l4, l5, l6, l7, q, mstat_ptr, sstat_ptr, q0, split, NSPLIT, G: tl.constexpr,
+                 NWARP: tl.constexpr, STATS: tl.constexpr = 0):
+    """A split's softmax max and sum per query head from the lanes' 8 logits each (lane q: head q).
+    STATS 1: one reduction over the lanes as [NWARP * 8, 4] for all heads at once, else one masked
+    reduction per head (KERNEL_NOTES run 56: the int8 stage 525 -> 493 us with 1, the fp16 one 534 ->
+    591 us, so each keeps its faster form)."""
     mt = tl.maximum(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), tl.maximum(tl.maximum(l4, l5),
                                                                                   tl.maximum(l6, l7)))
+    if STATS == 1:
+        nn = tl.arange(0, 4)
+        m4 = tl.max(tl.reshape(mt, [NWARP * 8, 4]), 0)
+        tl.store(mstat_ptr + (q0 + nn) * NSPLIT + split, m4, mask=nn < G)
+        m4 = tl.where(m4 == float("-inf"), 0.0, m4)
+        msel = tl.reshape(tl.broadcast_to(m4[None, :], [NWARP * 8, 4]), [32 * NWARP])
+        e = (tl.exp(l0 - msel) + tl.exp(l1 - msel) + tl.exp(l2 - msel) + tl.exp(l3 - msel) + tl.exp(l4 - msel)
+             + tl.exp(l5 - msel) + tl.exp(l6 - msel) + tl.exp(l7 - msel))
+        tl.store(sstat_ptr + (q0 + nn) * NSPLIT + split, tl.sum(tl.reshape(e, [NWARP * 8, 4]), 0), mask=nn < G)
+        return
     msel = tl.zeros([32 * NWARP], tl.float32)
     for n in tl.static_range(G):
         m = tl.max(tl.where(q == n, mt, float("-inf")), 0)
@@ -224,6 +341,142 @@ def _key_stage_mma(kb_ptr, pt_ptr, len_ptr, off_ptr, vf_ptr, nst_ptr, base_ptr, 
          + tl.exp(l5 - msel) + tl.exp(l6 - msel) + tl.exp(l7 - msel))
     for n in tl.static_range(G):
         tl.store(sstat_ptr + (q0 + n) * NSPLIT + split, tl.sum(tl.where(q == n, e, 0.0), 0))
+
+
+@triton.jit
+def _imma_step(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16,
+               c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31):
+    """One K step (32 pairs) of the four M-tiles (8 accumulators each: n-tile 0 then n-tile 1)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, 0)
+    c8, c9, c10, c11, c12, c13, c14, c15 = _imma_tile(x, y, v0, v1, v2, v3, c8, c9, c10, c11, c12, c13, c14, c15, 1)
+    c16, c17, c18, c19, c20, c21, c22, c23 = _imma_tile(x, y, v0, v1, v2, v3, c16, c17, c18, c19, c20, c21, c22,
+                                                        c23, 2)
+    c24, c25, c26, c27, c28, c29, c30, c31 = _imma_tile(x, y, v0, v1, v2, v3, c24, c25, c26, c27, c28, c29, c30,
+                                                        c31, 3)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
+            c23, c24, c25, c26, c27, c28, c29, c30, c31)
+
+
+@triton.jit
+def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr, vs_ptr, logit_ptr, mstat_ptr,
+                    sstat_ptr, scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                    D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr):
+    """The bit product on int8 tensor cores (GPU only: inline PTX; ``key_bits="int8"``). As
+    :func:`_key_stage_mma` (program (b*Hkv + h, split) of NWARP 64-token pages, one per warp, lane 4g + q
+    reads byte g: tokens 8g..8g+7), but per K step of 32 pairs (:func:`imma_operands`' order) a lane
+    loads the bytes of its pairs 4q..4q+3 and 16+4q..16+4q+3 into two words, and M-tile i's A fragment
+    is those words masked to bits 2i / 2i + 1 (one ``and`` per register of four bits: unsigned 2^k per
+    set bit); B is V as three int8 digits per query head (n-tile 0: columns 2n / 2n + 1 digits 0 / 1 of
+    head n, n-tile 1: column 2n digit 2), so a lane's accumulators again hold its query head's sums of
+    its own tokens, exact in int32."""
+    tl.static_assert(P == 64, "one 64-token page per warp")
+    tl.static_assert(G <= 4, "three digits of up to 4 query heads in two n-tiles")
+    pid_bh, split, b, h, T, NSPLIT, w, g, q, pb = _page_lanes(kb_ptr, pt_ptr, len_ptr, SLOTS, HKV, D, W, P, NWARP)
+    op = off_ptr + pid_bh * SMAX * 32 + q  # lane q's offset of byte k of word v in step s at + 32 s + 4 (4 v + k)
+    vp = vd_ptr + pid_bh * SMAX * 128 + g * 4 + q  # column g, lane q: word (n-tile n, v) of step s at + 128 s + 32 (2 n + v)
+    zero = tl.zeros([32 * NWARP], tl.int32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
+    c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
+    c16, c17, c18, c19, c20, c21, c22, c23 = zero, zero, zero, zero, zero, zero, zero, zero
+    c24, c25, c26, c27, c28, c29, c30, c31 = zero, zero, zero, zero, zero, zero, zero, zero
+    n_steps = tl.load(nst_ptr + pid_bh)
+    # offsets two steps ahead; bytes and V words one step ahead of the MMAs, the bytes carried unpacked
+    # and packed where they are used (packed at once, they made every step wait for the loads just
+    # issued: KERNEL_NOTES run 56)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _imma_offsets(op, tl.minimum(1, n_steps - 1))
+    f0, f1, f2, f3, f4, f5, f6, f7 = _imma_offsets(op, 0)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _imma_raw(pb, f0, f1, f2, f3, f4, f5, f6, f7)
+    v0, v1, v2, v3 = tl.load(vp), tl.load(vp + 32), tl.load(vp + 64), tl.load(vp + 96)
+    for s in range(0, n_steps):
+        nxt = tl.minimum(s + 1, n_steps - 1)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _imma_offsets(op, tl.minimum(s + 2, n_steps - 1))
+        x = _pack4(e0, e1, e2, e3)
+        y = _pack4(e4, e5, e6, e7)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _imma_raw(pb, o0, o1, o2, o3, o4, o5, o6, o7)
+        vn = vp + nxt * 128
+        v0n, v1n, v2n, v3n = tl.load(vn), tl.load(vn + 32), tl.load(vn + 64), tl.load(vn + 96)
+        (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23,
+         c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
+            x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18,
+            c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
+        v0, v1, v2, v3 = v0n, v1n, v2n, v3n
+        o0, o1, o2, o3, o4, o5, o6, o7 = p0, p1, p2, p3, p4, p5, p6, p7
+    q0 = b * HQ + h * G
+    tok8 = split * (NWARP * P) + w * P + 8 * g
+    # M-tile i: n-tile 0 c(8i), c(8i+1) row g (token 8g + 2i) digits 0, 1 of head q, c(8i+2), c(8i+3) row g + 8
+    # (token 8g + 2i + 1); n-tile 1 c(8i+4) / c(8i+6) digit 2 of rows g / g + 8 (c(8i+5), c(8i+7): zero columns)
+    l0 = _imma_logit(c0, c1, c4, 0, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l1 = _imma_logit(c2, c3, c6, 1, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l2 = _imma_logit(c8, c9, c12, 2, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l3 = _imma_logit(c10, c11, c14, 3, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l4 = _imma_logit(c16, c17, c20, 4, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l5 = _imma_logit(c18, c19, c22, 5, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l6 = _imma_logit(c24, c25, c28, 6, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l7 = _imma_logit(c26, c27, c30, 7, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    _split_stats(l0, l1, l2, l3, l4, l5, l6, l7, q, mstat_ptr, sstat_ptr, q0, split, NSPLIT, G, NWARP, 1)
+
+
+@triton.jit
+def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr, nst_ptr, base2_ptr, vs_ptr, SMAX,
+                 HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 P: tl.constexpr):
+    """Program b*Hkv + h: the operands of :func:`_key_stage_imma` (as :func:`imma_operands`). Pairs
+    (c, j < t_c) plane-major; list entry e = 32 s + 16 v + 4 q + k is byte k of word v of lane q in step s:
+    its byte offset (j D + c) P/8 at off[s, v, k, q], and V's digits as bytes k of the words (n-tile n,
+    v, column, q) of vd ([S, 2, 2, 8, 4] words; column 2g: digit 0 (n = 0) / 2 (n = 1), column 2g + 1
+    of n-tile 0: digit 1). The scale S_g = max |V_g| / 127 per query head, base' = base + sum_c wf_c
+    a_{t_c}. The last step's unused entries get offset 0 and digits 0, as do the columns of no digit (the
+    buffers are shared with :func:`_lin_prep`'s layout)."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    NB: tl.constexpr = P // 8
+    cc = tl.arange(0, D)
+    dep = tl.load(kdep_ptr + pid * D + cc)
+    a_dep = tl.load(lina_ptr + dep)
+    offs = off_ptr + pid * SMAX * 32
+    vds = vd_ptr + pid * SMAX * 512  # bytes: 128 words per step
+    run = tl.sum(dep * 0, 0)
+    for g in tl.static_range(G):
+        wfg = tl.load(wf_ptr + (pid * D + cc) * G + g)
+        tl.store(base2_ptr + b * HQ + h * G + g, tl.load(base_ptr + b * HQ + h * G + g) + tl.sum(wfg * a_dep, 0))
+        vmax = tl.zeros([D], tl.float32)
+        for j in tl.static_range(W):
+            vmax = tl.maximum(vmax, tl.abs(wfg * tl.load(linw_ptr + dep * W + j, mask=dep > j, other=0.0)))
+        sg = tl.maximum(tl.max(vmax, 0), 1e-30) / 127.0
+        tl.store(vs_ptr + b * HQ + h * G + g, sg)
+        run = tl.sum(dep * 0, 0)
+        for j in tl.static_range(W):
+            act = dep > j
+            pos = run + tl.cumsum(act.to(tl.int32), 0) - 1
+            run += tl.sum(act.to(tl.int32), 0)
+            st = pos // 32
+            wi = pos % 32
+            byte = vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4
+            if g == 0:
+                tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
+                for col in tl.static_range(2 * G, 8):  # columns of no query head (both n-tiles)
+                    tl.store(byte + col * 16, tl.zeros([D], tl.int8), mask=act)
+                    tl.store(byte + 256 + col * 16, tl.zeros([D], tl.int8), mask=act)
+            x = wfg * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0) / sg
+            d0 = tl.floor(x + 0.5)
+            r = (x - d0) * _IMMA_BASE
+            d1 = tl.floor(r + 0.5)
+            d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
+            tl.store(byte + (2 * g) * 16, d0.to(tl.int8), mask=act)
+            tl.store(byte + (2 * g + 1) * 16, d1.to(tl.int8), mask=act)
+            tl.store(byte + 256 + (2 * g) * 16, d2.to(tl.int8), mask=act)
+            tl.store(byte + 256 + (2 * g + 1) * 16, tl.zeros([D], tl.int8), mask=act)
+    n_steps = (run + 31) // 32
+    pp = run + tl.arange(0, 32)
+    pad = pp < n_steps * 32
+    pst, pwi = pp // 32, pp % 32
+    tl.store(offs + pst * 32 + ((pwi // 16) * 4 + pwi % 4) * 4 + (pwi // 4) % 4, pp * 0, mask=pad)
+    pbyte = vds + pst * 512 + (pwi // 16) * 128 + ((pwi // 4) % 4) * 4 + pwi % 4
+    for col in tl.static_range(8):
+        tl.store(pbyte + col * 16, tl.zeros([32], tl.int8), mask=pad)
+        tl.store(pbyte + 256 + col * 16, tl.zeros([32], tl.int8), mask=pad)
+    tl.store(nst_ptr + pid, n_steps)
 
 
 # ----------------------------------------------------------------------------- the Value stage
@@ -579,6 +832,50 @@ def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, 
     return offf, vf, steps, base2
 
 
+def imma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
+                  page_size: int) -> tuple[torch.Tensor, ...]:
+    """The operands of :func:`_key_stage_imma` (the torch reference of ``_lin_prep_i8``): per head its
+    pairs (c, j < t_c) plane-major in steps of 32, list entry 32 s + 16 v + 4 q + k at (byte offsets
+    [B*Hkv, S, 2 words v, 4 bytes k, 4 lanes q] int32, V digits [B*Hkv, S, 2 n-tiles, 2 words v, 8 columns,
+    4 lanes q, 4 bytes k] int8, the number of steps [B*Hkv], base' [B, Hq], the digit scale S_g [B, Hq]).
+    Column 2n of n-tile 0 holds query head n's digit 0 of V / S_n, column 2n + 1 digit 1, column 2n of
+    n-tile 1 digit 2 (base :data:`IMMA_BASE`); the other columns are zero."""
+    bsz, hk, d = kdep.shape
+    g = wf.shape[-1]
+    if g > 4:
+        raise ValueError("the int8 bit-product Key stage takes at most 4 query heads per KV head")
+    dep, wt, base2 = linear_fold(tree, kdep, wf, base)
+    w, nb, dev = tree.depth, page_size // 8, kdep.device
+    bh = bsz * hk
+    jj = torch.arange(w, device=dev)
+    live = (jj[None, :, None] < dep.reshape(bh, 1, d)).reshape(bh, w * d)  # plane-major (j, c)
+    vjc = (wf.reshape(bh, 1, d, g) * wt[dep.reshape(bh, d)].transpose(1, 2)[..., None]).reshape(bh, w * d, g)
+    vjc = vjc * live[..., None]
+    sg = vjc.abs().amax(1).clamp_min(1e-30) / 127.0  # [bh, G]
+    x = vjc / sg[:, None, :]
+    d0 = torch.floor(x + 0.5)
+    r = (x - d0) * IMMA_BASE
+    d1 = torch.floor(r + 0.5)
+    d2 = torch.floor((r - d1) * IMMA_BASE + 0.5)
+    off = ((jj[:, None] * d + torch.arange(d, device=dev)[None, :]) * nb).reshape(w * d).int()
+    cnt = live.sum(1)
+    n_steps = max(1, -(-int(cnt.max()) // 32))
+    pos = torch.cumsum(live.int(), 1) - 1
+    rows = torch.arange(bh, device=dev)[:, None].expand(-1, w * d)
+    offl = torch.zeros(bh, n_steps * 32, dtype=torch.int32, device=dev)
+    dl = torch.zeros(bh, n_steps * 32, 2, 8, dtype=torch.int8, device=dev)  # [entry, n-tile, column]
+    offl[rows[live], pos[live]] = off[None, :].expand(bh, -1)[live]
+    for n in range(g):
+        dl[rows[live], pos[live], 0, 2 * n] = d0[live][:, n].to(torch.int8)
+        dl[rows[live], pos[live], 0, 2 * n + 1] = d1[live][:, n].to(torch.int8)
+        dl[rows[live], pos[live], 1, 2 * n] = d2[live][:, n].to(torch.int8)
+    # entry 32 s + 16 v + 4 q + k
+    offf = offl.view(bh, n_steps, 2, 4, 4).transpose(3, 4).contiguous()  # [s, v, k, q]
+    vd = dl.view(bh, n_steps, 2, 4, 4, 2, 8).permute(0, 1, 5, 2, 6, 3, 4).contiguous()  # [s, n, v, col, q, k]
+    steps = ((cnt + 31) // 32).int()
+    return offf, vd, steps, base2.reshape(bsz, hk * g).contiguous(), sg.reshape(bsz, hk * g)
+
+
 def key_stage_mma(k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
                   ops: tuple[torch.Tensor, ...], logits: torch.Tensor, mstat: torch.Tensor, sstat: torch.Tensor,
                   scale: float, n_q_heads: int, num_warps: int = 4, prefetch: int = 0) -> None:
@@ -593,4 +890,5 @@ def key_stage_mma(k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch
                                                PREFETCH=prefetch, num_warps=num_warps)
 
 
-__all__ = ["BIT_SCALE", "key_stage_mma", "linear_fold", "linear_tables", "mma_operands", "value_scale"]
+__all__ = ["BIT_SCALE", "IMMA_BASE", "imma_operands", "key_stage_mma", "linear_fold", "linear_tables", "mma_operands",
+           "value_scale"]

@@ -39,7 +39,16 @@ from .decode import (
     _value_ties,
     next_pow2,
 )
-from .linear import MMA_BITS, _key_stage_mma, _lin_prep, _value_stage_mma, linear_tables, value_scale
+from .linear import (
+    MMA_BITS,
+    _key_stage_imma,
+    _key_stage_mma,
+    _lin_prep,
+    _lin_prep_i8,
+    _value_stage_mma,
+    linear_tables,
+    value_scale,
+)
 from .refine import (
     HIST_STRIDE_R,
     RSEL_STRIDE,
@@ -110,6 +119,7 @@ ASSEMBLY = ("transpose", "serial", "fma")
 # warps (64-token pages) per program of the bit-product Key stage (KERNEL_NOTES run 46: 8 with a
 # two-step prefetch measured fastest)
 MMA_WARPS = 8
+KEY_BITS = ("shifted", "in-place", "int8")  # TritonReader.key_bits
 
 
 @dataclass
@@ -164,6 +174,7 @@ class Plan:
     lin_v: torch.Tensor | None = None  # [B*Hkv, SMAX, 128] f16: 2^7 V hi / lo
     lin_steps: torch.Tensor | None = None  # [B*Hkv] i32
     lin_base: torch.Tensor | None = None  # [B, Hq] f32: base'
+    lin_scale: torch.Tensor | None = None  # [B, Hq] f32: the int8 digits' scale (key_bits="int8")
     # the bit-product Value stage (linear codebooks on the GPU, TritonReader.value_mma): vord lists each
     # block's tokens deepest first
     value_mma: bool = False
@@ -175,7 +186,7 @@ class Plan:
                 self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
                 self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand,
-                self.lin_off, self.lin_v, self.lin_steps, self.lin_base)
+                self.lin_off, self.lin_v, self.lin_steps, self.lin_base, self.lin_scale)
         return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
 
@@ -255,9 +266,15 @@ class TritonReader:
         # the Value stage as the mirror product (planekv.kernels.linear._value_stage_mma; KERNEL_NOTES
         # run 50): the same conditions as key_mma and the compacting FMA Value stage; "auto", True, False
         self.value_mma: bool | str = "auto"
-        # how the bit-product stages turn a plane bit into an fp16 MMA operand (planekv.kernels.linear.
-        # MMA_BITS; the Key stage takes 0/1 bits only)
-        self.key_bits = "shifted"
+        # how the bit-product stages turn a plane bit into an MMA operand: an fp16 one (planekv.kernels.
+        # linear.MMA_BITS; the Key stage takes 0/1 bits only), or for the Key stage "int8" (the default):
+        # bits in place as an unsigned int8 operand against V in three int8 digits, exact int32 sums
+        # (_key_stage_imma; KERNEL_NOTES runs 55-56: fewer instructions, B=32 T=32768 Key stage 534 -> 481
+        # us at R=2, 808 -> 655 at R=4)
+        self.key_bits = "int8"
+        # pages (warps) per program of the int8 Key stage: 4 measured faster than 8 (KERNEL_NOTES run 56: B=32
+        # T=32768 R=2 493 -> 481 us, R=4 682 -> 655, d=256 126 -> 112 / 188 -> 167)
+        self.imma_warps = 4
         self.value_bits = "signed"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         if key_loop not in (None, 0, 1):
@@ -362,7 +379,7 @@ class TritonReader:
         n_pages = math.ceil(max_tokens / p)
         mma = self._key_mma(dev, small)
         vmma = self._value_mma(dev, small)
-        n_splits = math.ceil(n_pages / (MMA_WARPS if mma else pages_per_program))
+        n_splits = math.ceil(n_pages / (self._mma_pages if mma else pages_per_program))
         n_blocks = math.ceil(max_tokens / block_tokens)
         self._ppk, self._blk = pages_per_program, block_tokens
         groups = batch * hk // self.hg
@@ -412,7 +429,8 @@ class TritonReader:
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
-            lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32), value_mma=vmma, vsort=vmma,
+            lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32),
+            lin_scale=opt(mma, batch, hq, **f32), value_mma=vmma, vsort=vmma,
         )
 
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
@@ -443,11 +461,18 @@ class TritonReader:
         return can
 
     def _bits(self, attr: str) -> int:
-        """``key_bits`` / ``value_bits`` as the kernels' BITS constexpr (an index into MMA_BITS)."""
+        """``key_bits`` / ``value_bits`` as the kernels' BITS constexpr (an index into MMA_BITS; the
+        Key stage's "int8" as -1: the int8 kernel)."""
         v = getattr(self, attr)
-        if v not in MMA_BITS or (attr == "key_bits" and v == "signed"):
-            raise ValueError(f"{attr} must be one of {MMA_BITS if attr != 'key_bits' else MMA_BITS[:2]}, got {v!r}")
-        return MMA_BITS.index(v)
+        ok = KEY_BITS if attr == "key_bits" else MMA_BITS
+        if v not in ok:
+            raise ValueError(f"{attr} must be one of {ok}, got {v!r}")
+        return -1 if v == "int8" else MMA_BITS.index(v)
+
+    @property
+    def _mma_pages(self) -> int:
+        """Pages (warps) per program of the bit-product Key stage."""
+        return self.imma_warps if self.key_bits == "int8" else MMA_WARPS
 
     @property
     def _lin_smax(self) -> int:
@@ -555,7 +580,16 @@ class TritonReader:
                          RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
                          KORDER=plan.key_loop, num_warps=self.prep_warps)
         mark("prep")
-        if plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
+        if plan.key_mma and self._bits("key_bits") < 0:  # the bit product on int8 tensor cores
+            smax = plan.lin_off.shape[1] // 2  # steps of 32 pairs in the buffers of the 16-pair steps
+            _lin_prep_i8[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
+                                    plan.lin_v.view(torch.int8), plan.lin_steps, plan.lin_base, plan.lin_scale, smax,
+                                    HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, num_warps=4)
+            _key_stage_imma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
+                                           plan.lin_steps, plan.lin_base, plan.lin_scale, plan.logits, plan.mstat,
+                                           plan.sstat, scale, slots, tmax, smax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
+                                           NWARP=self.imma_warps, num_warps=self.imma_warps)
+        elif plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
             _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
                                  plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,
                                  P=p, num_warps=4)
@@ -693,7 +727,7 @@ class TritonReader:
                             plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=self._blk,
                             TS=max(1, 1024 // d), num_warps=nw)
         mark("refine_decode")
-        ntok = MMA_WARPS * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
+        ntok = self._mma_pages * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
         _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
                                              G2=g2, NTOK=ntok, num_warps=nw)
         mark("refine_stats")

@@ -163,9 +163,13 @@ def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> No
     vforced.value_mma = True
     assert vforced._value_mma(cuda) and not vforced._value_mma(cpu)
     bad = TritonReader(lin, pol)
+    assert bad.key_bits == "int8" and bad._bits("key_bits") < 0  # the int8 stage by default
     bad.key_bits = "signed"
     with pytest.raises(ValueError, match="key_bits"):
         bad._bits("key_bits")
+    bad.value_bits = "int8"  # the Value stage has no int8 form
+    with pytest.raises(ValueError, match="value_bits"):
+        bad._bits("value_bits")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -336,3 +340,104 @@ def test_bit_product_value_stage_emulated(d: int, bits: str) -> None:
         nb = -(-t // 128)
         torch.testing.assert_close(emu[b, :, :nb], plan.part[b, :, :nb], rtol=2e-5, atol=2e-6)
     assert float(plan.part[:, :, :1].abs().max()) > 0.01  # the partial sums are not trivially zero
+
+
+def _imma_m16n8k32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """mma.sync.m16n8k32 (row.col, u8 A, s8 B, s32 accumulate) over a warp's registers, as PTX lays the
+    fragments out: a [32 lanes, 4 registers, 4 bytes] (unsigned), b [32, 2, 4] (signed), c / d [32, 4]
+    int64; lane 4 gid + q holds A row gid (registers 0, 2) / gid + 8 (1, 3) at columns 4q..4q+3 (0, 1) /
+    16+4q.. (2, 3), B rows 4q.. / 16+4q.. of column gid, C rows gid / gid + 8 of columns 2q, 2q+1."""
+    am = torch.zeros(16, 32, dtype=torch.int64)
+    bm = torch.zeros(32, 8, dtype=torch.int64)
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        for r, (row, col) in enumerate(((g, 4 * q), (g + 8, 4 * q), (g, 16 + 4 * q), (g + 8, 16 + 4 * q))):
+            am[row, col: col + 4] = a[lane, r]
+        for r, k in enumerate((4 * q, 16 + 4 * q)):
+            bm[k: k + 4, g] = b[lane, r]
+    dm = am @ bm
+    out = c.clone()
+    for lane in range(32):
+        g, q = divmod(lane, 4)
+        out[lane] += torch.stack([dm[g, 2 * q], dm[g, 2 * q + 1], dm[g + 8, 2 * q], dm[g + 8, 2 * q + 1]])
+    return out
+
+
+def _emulate_imma(k_pool: torch.Tensor, pt: torch.Tensor, lengths: list[int], ops: tuple, hq: int) -> torch.Tensor:
+    """What ``_key_stage_imma`` computes before the scale, warp by warp in torch: per page and step each
+    lane's eight offsets and bytes packed into two words (byte k of word v: list entry 16 v + 4 q + k),
+    M-tile i's A registers those words masked to bits 2i / 2i + 1, its B words the digits, the warp's
+    int8 MMAs (:func:`_imma_m16n8k32`), and the epilogue's mapping of accumulators to tokens and digits."""
+    offf, vd, steps, base2, sg = ops
+    bsz, hk, _ = pt.shape
+    g = hq // hk
+    out = torch.zeros(bsz, hq, max(lengths))
+    lane = torch.arange(32)
+    gid, qq = lane // 4, lane % 4
+    for bi, t in enumerate(lengths):
+        for h in range(hk):
+            bh = bi * hk + h
+            for pg in range(-(-t // 64)):
+                flat = k_pool[int(pt[bi, h, pg])].reshape(-1).long()
+                acc = torch.zeros(4, 2, 32, 4, dtype=torch.int64)  # [M-tile, n-tile, lane, register]
+                for s in range(int(steps[bh])):
+                    off = offf[bh, s].long()  # [v, k, q]
+                    byts = flat[off[:, :, qq] + gid]  # [v, k, lanes]
+                    words = byts.permute(2, 0, 1)  # [lanes, v, k]: byte k of word v
+                    bw = vd[bh, s][:, :, gid, qq].permute(2, 0, 1, 3).long()  # [lanes, n-tile, v, k]
+                    for i in range(4):
+                        lo, hi = words & (1 << 2 * i), words & (2 << 2 * i)
+                        a = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
+                        for n in range(2):
+                            acc[i, n] = _imma_m16n8k32(a, bw[:, n], acc[i, n])
+                for i in range(4):
+                    for row in range(2):  # token 8 gid + 2i + row
+                        k = 2 * i + row
+                        tok = pg * 64 + 8 * gid + k
+                        d0, d1 = acc[i, 0, :, 2 * row].double(), acc[i, 0, :, 2 * row + 1].double()
+                        d2 = acc[i, 1, :, 2 * row].double()
+                        assert not acc[i, 1, :, 2 * row + 1].any()  # the zero columns
+                        val = (d0 + (d1 + d2 / 254.0) / 254.0) / 2 ** k
+                        for lq in range(32):
+                            n = int(qq[lq])
+                            if n < g and tok[lq] < t:
+                                qh = h * g + n
+                                out[bi, qh, tok[lq]] = float(val[lq]) * float(sg[bi, qh]) + float(base2[bi, qh])
+    return out
+
+
+@pytest.mark.parametrize("hq,hk,d", [(4, 1, 64), (8, 2, 64), (3, 1, 64)])
+def test_int8_key_stage_emulated(hq: int, hk: int, d: int) -> None:
+    """The int8 bit-product Key stage (``key_bits="int8"``; GPU only: inline PTX), emulated warp by warp
+    over its operands, gives the FMA Key stage's logits to float32 accuracy: the pair order, the byte
+    packing, the bits left in place as unsigned 2^k, the digits' fragment layout and their combination
+    are right. And ``_lin_prep_i8`` (run in the interpreter) writes exactly the torch reference's operands."""
+    from planekv.kernels.linear import _lin_prep_i8, imma_operands, linear_tables
+
+    lengths = [150, 97]
+    codec, cache, q = _linear_cache(hq, hk, 90 + hq, lengths, d)
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.875))
+    plan = reader.plan(2, 150, "cpu", pages_per_program=2)
+    reader.decode(q, cache, 0, plan=plan, scale=0.125)
+    ops = imma_operands(codec.tree, plan.kdep, plan.wf, plan.base, 64)
+    offf, vd, steps, base2, sg = ops
+    assert int(vd[..., 0, :, :, :, :].abs().max()) == 127  # digit 0 spans the int8 range
+    pt = cache.page_table.to(torch.int32).contiguous()
+    emu = _emulate_imma(cache.k_pool[0], pt, lengths, ops, hq) * 0.125
+    for b, t in enumerate(lengths):
+        torch.testing.assert_close(emu[b, :, :t], plan.logits[b, :, :t], rtol=1e-5, atol=2e-5)
+    # the operand kernel, poisoned buffers
+    bh, smax = 2 * hk, d * 8 // 32
+    off = torch.full((bh, smax * 32), -1, dtype=torch.int32)
+    vdk = torch.full((bh, smax * 512), 0x55, dtype=torch.int8)
+    nst, b2, vs = torch.zeros(bh, dtype=torch.int32), torch.zeros(2, hq), torch.zeros(2, hq)
+    a, wt = linear_tables(codec.tree)
+    _lin_prep_i8[(bh,)](plan.kdep, plan.wf, plan.base, a, wt.reshape(-1).contiguous(), off, vdk, nst, b2, vs, smax,
+                        HQ=hq, HKV=hk, G=hq // hk, D=d, W=8, P=64, num_warps=4)
+    assert torch.equal(nst, steps)
+    for i in range(bh):
+        n = int(steps[i])
+        assert torch.equal(off[i, : n * 32], offf[i, :n].reshape(-1))
+        assert torch.equal(vdk[i, : n * 512], vd[i, :n].reshape(-1))
+    torch.testing.assert_close(b2, base2, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(vs, sg, rtol=1e-6, atol=0)
