@@ -424,49 +424,49 @@ def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr
     (c, j < t_c) plane-major; list entry e = 32 s + 16 v + 4 q + k is byte k of word v of lane q in step s:
     its byte offset (j D + c) P/8 at off[s, v, k, q], and V's digits as bytes k of the words (n-tile n,
     v, column, q) of vd ([S, 2, 2, 8, 4] words; column 2g: digit 0 (n = 0) / 2 (n = 1), column 2g + 1
-    of n-tile 0: digit 1). The scale S_g = max |V_g| / 127 per query head, base' = base + sum_c wf_c
-    a_{t_c}. The last step's unused entries get offset 0 and digits 0, as do the columns of no digit (the
-    buffers are shared with :func:`_lin_prep`'s layout)."""
+    of n-tile 0: digit 1), all four query-head slots at once ([D, 4] tensors: slots g >= G get zeros).
+    The scale S_g = max |V_g| / 127 per query head, base' = base + sum_c wf_c a_{t_c}. The last step's
+    unused entries get offset 0 and digits 0, as does every column without a digit (the buffers are
+    shared with :func:`_lin_prep`'s layout)."""
     pid = tl.program_id(0)
     b = pid // HKV
     h = pid % HKV
     NB: tl.constexpr = P // 8
     cc = tl.arange(0, D)
+    gg = tl.arange(0, 4)
+    gok = gg < G
     dep = tl.load(kdep_ptr + pid * D + cc)
-    a_dep = tl.load(lina_ptr + dep)
+    wf = tl.load(wf_ptr + (pid * D + cc)[:, None] * G + gg[None, :], mask=gok[None, :], other=0.0)  # [D, 4]
+    q0 = b * HQ + h * G
+    tl.store(base2_ptr + q0 + gg, tl.load(base_ptr + q0 + gg, mask=gok, other=0.0)
+             + tl.sum(wf * tl.load(lina_ptr + dep)[:, None], 0), mask=gok)
+    vmax = tl.zeros([D, 4], tl.float32)
+    for j in tl.static_range(W):
+        vmax = tl.maximum(vmax, tl.abs(wf * tl.load(linw_ptr + dep * W + j, mask=dep > j, other=0.0)[:, None]))
+    sg = tl.maximum(tl.max(vmax, 0), 1e-30) / 127.0  # [4]
+    tl.store(vs_ptr + q0 + gg, sg, mask=gok)
     offs = off_ptr + pid * SMAX * 32
     vds = vd_ptr + pid * SMAX * 512  # bytes: 128 words per step
+    zero8 = tl.zeros([D, 4], tl.int8)
     run = tl.sum(dep * 0, 0)
-    for g in tl.static_range(G):
-        wfg = tl.load(wf_ptr + (pid * D + cc) * G + g)
-        tl.store(base2_ptr + b * HQ + h * G + g, tl.load(base_ptr + b * HQ + h * G + g) + tl.sum(wfg * a_dep, 0))
-        vmax = tl.zeros([D], tl.float32)
-        for j in tl.static_range(W):
-            vmax = tl.maximum(vmax, tl.abs(wfg * tl.load(linw_ptr + dep * W + j, mask=dep > j, other=0.0)))
-        sg = tl.maximum(tl.max(vmax, 0), 1e-30) / 127.0
-        tl.store(vs_ptr + b * HQ + h * G + g, sg)
-        run = tl.sum(dep * 0, 0)
-        for j in tl.static_range(W):
-            act = dep > j
-            pos = run + tl.cumsum(act.to(tl.int32), 0) - 1
-            run += tl.sum(act.to(tl.int32), 0)
-            st = pos // 32
-            wi = pos % 32
-            byte = vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4
-            if g == 0:
-                tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
-                for col in tl.static_range(2 * G, 8):  # columns of no query head (both n-tiles)
-                    tl.store(byte + col * 16, tl.zeros([D], tl.int8), mask=act)
-                    tl.store(byte + 256 + col * 16, tl.zeros([D], tl.int8), mask=act)
-            x = wfg * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0) / sg
-            d0 = tl.floor(x + 0.5)
-            r = (x - d0) * _IMMA_BASE
-            d1 = tl.floor(r + 0.5)
-            d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
-            tl.store(byte + (2 * g) * 16, d0.to(tl.int8), mask=act)
-            tl.store(byte + (2 * g + 1) * 16, d1.to(tl.int8), mask=act)
-            tl.store(byte + 256 + (2 * g) * 16, d2.to(tl.int8), mask=act)
-            tl.store(byte + 256 + (2 * g + 1) * 16, tl.zeros([D], tl.int8), mask=act)
+    for j in tl.static_range(W):
+        act = dep > j
+        pos = run + tl.cumsum(act.to(tl.int32), 0) - 1
+        run += tl.sum(act.to(tl.int32), 0)
+        st = pos // 32
+        wi = pos % 32
+        tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
+        byte = (vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4)[:, None] + gg[None, :] * 32
+        x = wf * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0)[:, None] / sg[None, :]  # as imma_operands
+        d0 = tl.floor(x + 0.5)
+        r = (x - d0) * _IMMA_BASE
+        d1 = tl.floor(r + 0.5)
+        d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
+        am = act[:, None]
+        tl.store(byte, d0.to(tl.int8), mask=am)  # n-tile 0, column 2g
+        tl.store(byte + 16, d1.to(tl.int8), mask=am)  # column 2g + 1
+        tl.store(byte + 256, d2.to(tl.int8), mask=am)  # n-tile 1, column 2g
+        tl.store(byte + 272, zero8, mask=am)
     n_steps = (run + 31) // 32
     pp = run + tl.arange(0, 32)
     pad = pp < n_steps * 32
