@@ -301,16 +301,36 @@ def _imma_raw(pb, o0, o1, o2, o3, o4, o5, o6, o7):
 
 @triton.jit
 def _imma_logit(a0, a1, a2, k: tl.constexpr, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale,
-                G: tl.constexpr):
-    """Query head q's logit of token 8g + k from its three digit sums (bit k's 2^k undone)."""
+                G: tl.constexpr, STORE: tl.constexpr = True):
+    """Query head q's logit of token 8g + k from its three digit sums (bit k's 2^k undone); stored
+    unless STORE is off (:func:`_store8` stores a lane's eight at once)."""
     tok = tok8 + k
     ok = (tok < T) & (q < G)
     hl = (a0.to(tl.float32) + (a1.to(tl.float32) + a2.to(tl.float32) / _IMMA_BASE) / _IMMA_BASE)
     sv = tl.load(vs_ptr + q0 + q, mask=q < G, other=0.0) * (1.0 / (1 << k))
     lg = (hl * sv + tl.load(base_ptr + q0 + q, mask=q < G, other=0.0)) * scale
     lg = tl.where(ok, lg, float("-inf"))
-    tl.store(logit_ptr + (q0 + q) * TMAX + tok, lg, mask=ok)
+    if STORE:
+        tl.store(logit_ptr + (q0 + q) * TMAX + tok, lg, mask=ok)
     return lg
+
+
+_ST4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.f32 [$1], {$2, $3, $4, $5}; "
+                    "mov.b32 $0, 0; }")
+
+
+@triton.jit
+def _store8(l0, l1, l2, l3, l4, l5, l6, l7, tok8, q, logit_ptr, q0, TMAX, G: tl.constexpr):
+    """A lane's eight logits (tokens 8g..8g+7 of query head q, contiguous in its row) as two 16-byte
+    stores instead of eight scattered 4-byte ones (inline PTX; TMAX a multiple of 8, so that each is
+    aligned). The mask is per octet (inside the row's TMAX entries): positions from T on get -inf,
+    which no reader looks at."""
+    ptr = (logit_ptr + (q0 + q) * TMAX + tok8).to(tl.int64, bitcast=True)
+    ok = ((tok8 + 8 <= TMAX) & (q < G)).to(tl.int32)
+    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr, l0, l1, l2, l3, ok], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr + 16, l4, l5, l6, l7, ok], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -360,7 +380,8 @@ def _imma_step(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10
 @triton.jit
 def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr, vs_ptr, logit_ptr, mstat_ptr,
                     sstat_ptr, scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                    D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr):
+                    D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr,
+                    VST: tl.constexpr = False):
     """The bit product on int8 tensor cores (GPU only: inline PTX; ``key_bits="int8"``). As
     :func:`_key_stage_mma` (program (b*Hkv + h, split) of NWARP 64-token pages, one per warp, lane 4g + q
     reads byte g: tokens 8g..8g+7), but per K step of 32 pairs (:func:`imma_operands`' order) a lane
@@ -405,14 +426,16 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
     tok8 = split * (NWARP * P) + w * P + 8 * g
     # M-tile i: n-tile 0 c(8i), c(8i+1) row g (token 8g + 2i) digits 0, 1 of head q, c(8i+2), c(8i+3) row g + 8
     # (token 8g + 2i + 1); n-tile 1 c(8i+4) / c(8i+6) digit 2 of rows g / g + 8 (c(8i+5), c(8i+7): zero columns)
-    l0 = _imma_logit(c0, c1, c4, 0, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l1 = _imma_logit(c2, c3, c6, 1, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l2 = _imma_logit(c8, c9, c12, 2, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l3 = _imma_logit(c10, c11, c14, 3, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l4 = _imma_logit(c16, c17, c20, 4, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l5 = _imma_logit(c18, c19, c22, 5, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l6 = _imma_logit(c24, c25, c28, 6, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
-    l7 = _imma_logit(c26, c27, c30, 7, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G)
+    l0 = _imma_logit(c0, c1, c4, 0, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l1 = _imma_logit(c2, c3, c6, 1, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l2 = _imma_logit(c8, c9, c12, 2, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l3 = _imma_logit(c10, c11, c14, 3, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l4 = _imma_logit(c16, c17, c20, 4, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l5 = _imma_logit(c18, c19, c22, 5, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l6 = _imma_logit(c24, c25, c28, 6, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    l7 = _imma_logit(c26, c27, c30, 7, tok8, q, base_ptr, vs_ptr, logit_ptr, q0, T, TMAX, scale, G, not VST)
+    if VST:
+        _store8(l0, l1, l2, l3, l4, l5, l6, l7, tok8, q, logit_ptr, q0, TMAX, G)
     _split_stats(l0, l1, l2, l3, l4, l5, l6, l7, q, mstat_ptr, sstat_ptr, q0, split, NSPLIT, G, NWARP, 1)
 
 
@@ -420,15 +443,17 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
 def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr, nst_ptr, base2_ptr, vs_ptr, SMAX,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  P: tl.constexpr):
-    """Program b*Hkv + h: the operands of :func:`_key_stage_imma` (as :func:`imma_operands`). Pairs
-    (c, j < t_c) plane-major; list entry e = 32 s + 16 v + 4 q + k is byte k of word v of lane q in step s:
-    its byte offset (j D + c) P/8 at off[s, v, k, q], and V's digits as bytes k of the words (n-tile n,
-    v, column, q) of vd ([S, 2, 2, 8, 4] words; column 2g: digit 0 (n = 0) / 2 (n = 1), column 2g + 1
-    of n-tile 0: digit 1), all four query-head slots at once ([D, 4] tensors: slots g >= G get zeros).
-    The scale S_g = max |V_g| / 127 per query head, base' = base + sum_c wf_c a_{t_c}. The last step's
-    unused entries get offset 0 and digits 0, as does every column without a digit (the buffers are
-    shared with :func:`_lin_prep`'s layout)."""
+    """Program (b*Hkv + h, plane j): plane j's part of the operands of :func:`_key_stage_imma` (as
+    :func:`imma_operands`). Pairs (c, j < t_c) plane-major (plane j's list starts after sum_c min(t_c, j)
+    pairs); list entry e = 32 s + 16 v + 4 q + k is byte k of word v of lane q in step s: its byte offset
+    (j D + c) P/8 at off[s, v, k, q], and V's digits as bytes k of the words (n-tile n, v, column, q) of
+    vd ([S, 2, 2, 8, 4] words; column 2g: digit 0 (n = 0) / 2 (n = 1), column 2g + 1 of n-tile 0: digit
+    1), all four query-head slots at once ([D, 4] tensors: slots g >= G get zeros). The scale S_g = max
+    |V_g| / 127 per query head (every program computes it; plane 0's stores it with base' = base +
+    sum_c wf_c a_{t_c}, the step count and the last step's padding: offset 0, digits 0). Every column
+    without a digit is written 0 (the buffers are shared with :func:`_lin_prep`'s layout)."""
     pid = tl.program_id(0)
+    j = tl.program_id(1)
     b = pid // HKV
     h = pid % HKV
     NB: tl.constexpr = P // 8
@@ -437,46 +462,44 @@ def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr
     gok = gg < G
     dep = tl.load(kdep_ptr + pid * D + cc)
     wf = tl.load(wf_ptr + (pid * D + cc)[:, None] * G + gg[None, :], mask=gok[None, :], other=0.0)  # [D, 4]
-    q0 = b * HQ + h * G
-    tl.store(base2_ptr + q0 + gg, tl.load(base_ptr + q0 + gg, mask=gok, other=0.0)
-             + tl.sum(wf * tl.load(lina_ptr + dep)[:, None], 0), mask=gok)
     vmax = tl.zeros([D, 4], tl.float32)
-    for j in tl.static_range(W):
-        vmax = tl.maximum(vmax, tl.abs(wf * tl.load(linw_ptr + dep * W + j, mask=dep > j, other=0.0)[:, None]))
+    for jj in tl.static_range(W):
+        vmax = tl.maximum(vmax, tl.abs(wf * tl.load(linw_ptr + dep * W + jj, mask=dep > jj, other=0.0)[:, None]))
     sg = tl.maximum(tl.max(vmax, 0), 1e-30) / 127.0  # [4]
-    tl.store(vs_ptr + q0 + gg, sg, mask=gok)
     offs = off_ptr + pid * SMAX * 32
     vds = vd_ptr + pid * SMAX * 512  # bytes: 128 words per step
-    zero8 = tl.zeros([D, 4], tl.int8)
-    run = tl.sum(dep * 0, 0)
-    for j in tl.static_range(W):
-        act = dep > j
-        pos = run + tl.cumsum(act.to(tl.int32), 0) - 1
-        run += tl.sum(act.to(tl.int32), 0)
-        st = pos // 32
-        wi = pos % 32
-        tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
-        byte = (vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4)[:, None] + gg[None, :] * 32
-        x = wf * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0)[:, None] / sg[None, :]  # as imma_operands
-        d0 = tl.floor(x + 0.5)
-        r = (x - d0) * _IMMA_BASE
-        d1 = tl.floor(r + 0.5)
-        d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
-        am = act[:, None]
-        tl.store(byte, d0.to(tl.int8), mask=am)  # n-tile 0, column 2g
-        tl.store(byte + 16, d1.to(tl.int8), mask=am)  # column 2g + 1
-        tl.store(byte + 256, d2.to(tl.int8), mask=am)  # n-tile 1, column 2g
-        tl.store(byte + 272, zero8, mask=am)
-    n_steps = (run + 31) // 32
-    pp = run + tl.arange(0, 32)
-    pad = pp < n_steps * 32
-    pst, pwi = pp // 32, pp % 32
-    tl.store(offs + pst * 32 + ((pwi // 16) * 4 + pwi % 4) * 4 + (pwi // 4) % 4, pp * 0, mask=pad)
-    pbyte = vds + pst * 512 + (pwi // 16) * 128 + ((pwi // 4) % 4) * 4 + pwi % 4
-    for col in tl.static_range(8):
-        tl.store(pbyte + col * 16, tl.zeros([32], tl.int8), mask=pad)
-        tl.store(pbyte + 256 + col * 16, tl.zeros([32], tl.int8), mask=pad)
-    tl.store(nst_ptr + pid, n_steps)
+    act = dep > j
+    pos = tl.sum(tl.minimum(dep, j), 0) + tl.cumsum(act.to(tl.int32), 0) - 1
+    st = pos // 32
+    wi = pos % 32
+    tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
+    byte = (vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4)[:, None] + gg[None, :] * 32
+    x = wf * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0)[:, None] / sg[None, :]  # as imma_operands
+    d0 = tl.floor(x + 0.5)
+    r = (x - d0) * _IMMA_BASE
+    d1 = tl.floor(r + 0.5)
+    d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
+    am = act[:, None]
+    tl.store(byte, d0.to(tl.int8), mask=am)  # n-tile 0, column 2g
+    tl.store(byte + 16, d1.to(tl.int8), mask=am)  # column 2g + 1
+    tl.store(byte + 256, d2.to(tl.int8), mask=am)  # n-tile 1, column 2g
+    tl.store(byte + 272, tl.zeros([D, 4], tl.int8), mask=am)
+    if j == 0:
+        q0 = b * HQ + h * G
+        tl.store(vs_ptr + q0 + gg, sg, mask=gok)
+        tl.store(base2_ptr + q0 + gg, tl.load(base_ptr + q0 + gg, mask=gok, other=0.0)
+                 + tl.sum(wf * tl.load(lina_ptr + dep)[:, None], 0), mask=gok)
+        run = tl.sum(dep, 0)
+        n_steps = (run + 31) // 32
+        pp = run + tl.arange(0, 32)
+        pad = pp < n_steps * 32
+        pst, pwi = pp // 32, pp % 32
+        tl.store(offs + pst * 32 + ((pwi // 16) * 4 + pwi % 4) * 4 + (pwi // 4) % 4, pp * 0, mask=pad)
+        pbyte = vds + pst * 512 + (pwi // 16) * 128 + ((pwi // 4) % 4) * 4 + pwi % 4
+        for col in tl.static_range(8):
+            tl.store(pbyte + col * 16, tl.zeros([32], tl.int8), mask=pad)
+            tl.store(pbyte + 256 + col * 16, tl.zeros([32], tl.int8), mask=pad)
+        tl.store(nst_ptr + pid, n_steps)
 
 
 # ----------------------------------------------------------------------------- the Value stage

@@ -275,6 +275,7 @@ class TritonReader:
         # pages (warps) per program of the int8 Key stage: 4 measured faster than 8 (KERNEL_NOTES run 56: B=32
         # T=32768 R=2 493 -> 481 us, R=4 682 -> 655, d=256 126 -> 112 / 188 -> 167)
         self.imma_warps = 4
+        self.imma_vstore = True
         self.value_bits = "signed"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         if key_loop not in (None, 0, 1):
@@ -582,13 +583,14 @@ class TritonReader:
         mark("prep")
         if plan.key_mma and self._bits("key_bits") < 0:  # the bit product on int8 tensor cores
             smax = plan.lin_off.shape[1] // 2  # steps of 32 pairs in the buffers of the 16-pair steps
-            _lin_prep_i8[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
+            _lin_prep_i8[(b * hk, w)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
                                     plan.lin_v.view(torch.int8), plan.lin_steps, plan.lin_base, plan.lin_scale, smax,
                                     HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, num_warps=4)
             _key_stage_imma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
                                            plan.lin_steps, plan.lin_base, plan.lin_scale, plan.logits, plan.mstat,
                                            plan.sstat, scale, slots, tmax, smax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
-                                           NWARP=self.imma_warps, num_warps=self.imma_warps)
+                                           NWARP=self.imma_warps, VST=self.imma_vstore and tmax % 8 == 0,
+                                           num_warps=self.imma_warps)
         elif plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
             _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
                                  plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,

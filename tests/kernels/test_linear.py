@@ -432,7 +432,7 @@ def test_int8_key_stage_emulated(hq: int, hk: int, d: int) -> None:
     vdk = torch.full((bh, smax * 512), 0x55, dtype=torch.int8)
     nst, b2, vs = torch.zeros(bh, dtype=torch.int32), torch.zeros(2, hq), torch.zeros(2, hq)
     a, wt = linear_tables(codec.tree)
-    _lin_prep_i8[(bh,)](plan.kdep, plan.wf, plan.base, a, wt.reshape(-1).contiguous(), off, vdk, nst, b2, vs, smax,
+    _lin_prep_i8[(bh, 8)](plan.kdep, plan.wf, plan.base, a, wt.reshape(-1).contiguous(), off, vdk, nst, b2, vs, smax,
                         HQ=hq, HKV=hk, G=hq // hk, D=d, W=8, P=64, num_warps=4)
     assert torch.equal(nst, steps)
     for i in range(bh):
