@@ -320,17 +320,23 @@ _ST4 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.f32 [
 
 
 @triton.jit
+def _st8(ptr, x0, x1, x2, x3, x4, x5, x6, x7, ok):
+    """Eight floats to ptr (32-byte aligned; as int64) in two 16-byte stores where ok (inline PTX)."""
+    ok = ok.to(tl.int32)
+    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr, x0, x1, x2, x3, ok], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr + 16, x4, x5, x6, x7, ok], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _store8(l0, l1, l2, l3, l4, l5, l6, l7, tok8, q, logit_ptr, q0, TMAX, G: tl.constexpr):
     """A lane's eight logits (tokens 8g..8g+7 of query head q, contiguous in its row) as two 16-byte
-    stores instead of eight scattered 4-byte ones (inline PTX; TMAX a multiple of 8, so that each is
-    aligned). The mask is per octet (inside the row's TMAX entries): positions from T on get -inf,
-    which no reader looks at."""
-    ptr = (logit_ptr + (q0 + q) * TMAX + tok8).to(tl.int64, bitcast=True)
-    ok = ((tok8 + 8 <= TMAX) & (q < G)).to(tl.int32)
-    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr, l0, l1, l2, l3, ok], dtype=tl.int32, is_pure=False,
-                              pack=1)
-    tl.inline_asm_elementwise(_ST4, "=r,l,f,f,f,f,r", [ptr + 16, l4, l5, l6, l7, ok], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    stores instead of eight scattered 4-byte ones (TMAX a multiple of 8, so that each is aligned). The
+    mask is per octet (inside the row's TMAX entries): positions from T on get -inf, which no reader
+    looks at."""
+    _st8((logit_ptr + (q0 + q) * TMAX + tok8).to(tl.int64, bitcast=True), l0, l1, l2, l3, l4, l5, l6, l7,
+         (tok8 + 8 <= TMAX) & (q < G))
 
 
 @triton.jit
@@ -609,26 +615,23 @@ def _v_plane(z01, z23, y01, y23, p0, p1, p2, p3, s0, s1, s2, s3, j, linw_ptr, lo
 @triton.jit
 def _v_store8(part_ptr, prow, OFF: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
               inv, ab, ok, BITS: tl.constexpr):
-    """The 8 channels OFF + 0..7 of one byte column from 4 M-tiles' accumulators (hi, lo pairs)."""
-    _v_store(part_ptr, prow, OFF + 0, c0, c1, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 1, c2, c3, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 2, c4, c5, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 3, c6, c7, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 4, c8, c9, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 5, c10, c11, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 6, c12, c13, inv, ab, ok, BITS)
-    _v_store(part_ptr, prow, OFF + 7, c14, c15, inv, ab, ok, BITS)
+    """The 8 channels OFF + 0..7 of one byte column from 4 M-tiles' accumulators (hi, lo pairs), in
+    two 16-byte stores (prow + OFF is a multiple of 8)."""
+    _st8((part_ptr + prow + OFF).to(tl.int64, bitcast=True), _v_val(c0, c1, 0, inv, ab, BITS),
+         _v_val(c2, c3, 1, inv, ab, BITS), _v_val(c4, c5, 2, inv, ab, BITS), _v_val(c6, c7, 3, inv, ab, BITS),
+         _v_val(c8, c9, 4, inv, ab, BITS), _v_val(c10, c11, 5, inv, ab, BITS), _v_val(c12, c13, 6, inv, ab, BITS),
+         _v_val(c14, c15, 7, inv, ab, BITS), ok)
 
 
 @triton.jit
-def _v_store(part_ptr, prow, ch: tl.constexpr, hi, lo, inv, ab, ok, BITS: tl.constexpr):
-    """Channel ch of the lane's byte columns (bit ch % 8: M-tile (ch % 8) // 2, row ch % 2)."""
+def _v_val(hi, lo, k: tl.constexpr, inv, ab, BITS: tl.constexpr):
+    """Channel bit k of the lane's byte column (M-tile k // 2, row k % 2) from its hi and lo sums."""
     if BITS == 1:
-        tl.store(part_ptr + prow + ch, (hi + lo) * (inv * (1 << (24 - ch % 8))) + ab, mask=ok)
+        return (hi + lo) * (inv * (1 << (24 - k))) + ab
     elif BITS == 2:
-        tl.store(part_ptr + prow + ch, (hi + lo) * inv + ab, mask=ok)
+        return (hi + lo) * inv + ab
     else:
-        tl.store(part_ptr + prow + ch, (hi + lo) * (inv * 128.0) + ab, mask=ok)
+        return (hi + lo) * (inv * 128.0) + ab
 
 
 @triton.jit

@@ -437,15 +437,16 @@ class TritonReader:
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
         """Whether plans on ``dev`` run the bit-product Key stage (``key_mma``): a linear codebook, the
         FMA stages, a CUDA device (the kernel's MMAs are inline PTX, which Triton's interpreter does
-        not run), 64-token pages, at most 4 query heads per KV head; and where it
-        measured faster (KERNEL_NOTES run 47): head_dim >= 128 and steps that are not small (B=32
-        T=32768 R=2 1.507 -> 1.273 ms, d=256 0.467 -> 0.429; slower for SmolLM2's d=64 and at B=1).
-        ``key_mma=True`` forces it wherever it can run (``"auto"``, the default, chooses)."""
+        not run), 64-token pages, at most 4 query heads per KV head; and where it measured faster: the
+        int8 form (``key_bits="int8"``, the default) everywhere it runs (KERNEL_NOTES run 62: also
+        SmolLM2's d=64 and B=1 steps), the fp16 forms for head_dim >= 128 and steps that are not small
+        (run 47: B=32 T=32768 R=2 1.507 -> 1.273 ms; slower for d=64 and at B=1). ``key_mma=True``
+        forces it wherever it can run (``"auto"``, the default, chooses)."""
         spec = self.codec.spec
         can = (bool(self.key_mma) and isinstance(self.codec.tree, UniformLinearTree) and self.assembly == "fma"
                and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.fixed_depth)
-        if self.key_mma == "auto":
-            return can and spec.head_dim >= 128 and not small
+        if self.key_mma == "auto":  # the int8 stage measured faster everywhere it runs (KERNEL_NOTES run 62)
+            return can and (self.key_bits == "int8" or (spec.head_dim >= 128 and not small))
         return can
 
     def _value_mma(self, dev: torch.device, small: bool = False) -> bool:

@@ -129,8 +129,9 @@ def test_lin_prep_writes_the_reference_operands() -> None:
 
 def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> None:
     """TritonReader.key_mma ("auto"): a linear codebook on a CUDA device with up to 4 query heads per KV
-    head, head_dim >= 128 and a step that is not small (where it measured faster);
-    True forces it wherever it can run; never in the interpreter, never for the Gaussian tree."""
+    head, wherever it measured faster (the int8 form everywhere; the fp16 forms with head_dim >= 128 and a
+    step that is not small); True forces it wherever it can run; never in the interpreter, never for
+    the Gaussian tree."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     pol = ReadPolicy.flexible(2.0, 0.875)
 
@@ -141,17 +142,23 @@ def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> No
 
     lin, gauss = codecs(8, 2, 128)
     assert TritonReader(lin, pol)._key_mma(cuda) and not TritonReader(lin, pol)._key_mma(cpu)
-    assert not TritonReader(lin, pol)._key_mma(cuda, small=True)
+    assert TritonReader(lin, pol)._key_mma(cuda, small=True)  # the int8 form: small steps too
     assert not TritonReader(gauss, pol)._key_mma(cuda)
     assert TritonReader(lin, ReadPolicy.flexible(2.0, 0.875, key_refine=0.3))._key_mma(cuda)  # with refinement
+    fp16 = TritonReader(lin, pol)
+    fp16.key_bits = "shifted"  # the fp16 form: only where it measured faster
+    assert fp16._key_mma(cuda) and not fp16._key_mma(cuda, small=True)
     forced, off = TritonReader(lin, pol), TritonReader(lin, pol)
     forced.key_mma, off.key_mma = True, False
+    forced.key_bits = "shifted"
     assert forced._key_mma(cuda, small=True) and not off._key_mma(cuda)
     lin64, _ = codecs(8, 2, 64)
-    assert not TritonReader(lin64, pol)._key_mma(cuda)  # d = 64: measured slower
-    forced64 = TritonReader(lin64, pol)
-    forced64.key_mma = True
-    assert forced64._key_mma(cuda)
+    assert TritonReader(lin64, pol)._key_mma(cuda)  # d = 64: the int8 form measured faster
+    fp16_64 = TritonReader(lin64, pol)
+    fp16_64.key_bits = "shifted"
+    assert not fp16_64._key_mma(cuda)  # the fp16 form measured slower there
+    fp16_64.key_mma = True
+    assert fp16_64._key_mma(cuda)
     lin9, _ = codecs(9, 1, 128)
     assert not TritonReader(lin9, pol)._key_mma(cuda)  # 9 query heads per KV head
     # the Value stage's bit product (value_mma): the same choice, and only with the compacting stage
