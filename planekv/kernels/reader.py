@@ -175,6 +175,8 @@ class Plan:
     lin_steps: torch.Tensor | None = None  # [B*Hkv] i32
     lin_base: torch.Tensor | None = None  # [B, Hq] f32: base'
     lin_scale: torch.Tensor | None = None  # [B, Hq] f32: the int8 digits' scale (key_bits="int8")
+    key_int8: bool = False  # the bit-product Key stage on int8 tensor cores (key_bits="int8" when planned)
+    mma_pages: int = 0  # pages per bit-product Key-stage program (the splits are that many pages)
     # the bit-product Value stage (linear codebooks on the GPU, TritonReader.value_mma): vord lists each
     # block's tokens deepest first
     value_mma: bool = False
@@ -275,6 +277,8 @@ class TritonReader:
         # pages (warps) per program of the int8 Key stage: 4 measured faster than 8 (KERNEL_NOTES run 56: B=32
         # T=32768 R=2 493 -> 481 us, R=4 682 -> 655, d=256 126 -> 112 / 188 -> 167)
         self.imma_warps = 4
+        # its logits as two 16-byte stores per lane (rows of a multiple of 8 entries; KERNEL_NOTES run 61:
+        # B=32 T=32768 R=2 482 -> 410 us); False: eight 4-byte stores
         self.imma_vstore = True
         self.value_bits = "signed"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
@@ -431,7 +435,8 @@ class TritonReader:
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
             lin_steps=opt(mma, batch * hk, **i32), lin_base=opt(mma, batch, hq, **f32),
-            lin_scale=opt(mma, batch, hq, **f32), value_mma=vmma, vsort=vmma,
+            lin_scale=opt(mma, batch, hq, **f32), key_int8=mma and self._bits("key_bits") < 0,
+            mma_pages=self._mma_pages if mma else 0, value_mma=vmma, vsort=vmma,
         )
 
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
@@ -444,7 +449,8 @@ class TritonReader:
         forces it wherever it can run (``"auto"``, the default, chooses)."""
         spec = self.codec.spec
         can = (bool(self.key_mma) and isinstance(self.codec.tree, UniformLinearTree) and self.assembly == "fma"
-               and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.fixed_depth)
+               and dev.type == "cuda" and spec.page_size == 64 and spec.group_size <= 4 and not self.fixed_depth
+               and spec.head_dim * spec.width % 32 == 0)
         if self.key_mma == "auto":  # the int8 stage measured faster everywhere it runs (KERNEL_NOTES run 62)
             return can and (self.key_bits == "int8" or (spec.head_dim >= 128 and not small))
         return can
@@ -582,7 +588,9 @@ class TritonReader:
                          RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
                          KORDER=plan.key_loop, num_warps=self.prep_warps)
         mark("prep")
-        if plan.key_mma and self._bits("key_bits") < 0:  # the bit product on int8 tensor cores
+        if plan.key_mma and plan.key_int8 != (self._bits("key_bits") < 0):
+            raise ValueError(f"the plan was made for another key_bits than {self.key_bits!r}; plan again")
+        if plan.key_int8:  # the bit product on int8 tensor cores
             smax = plan.lin_off.shape[1] // 2  # steps of 32 pairs in the buffers of the 16-pair steps
             _lin_prep_i8[(b * hk, w)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
                                     plan.lin_v.view(torch.int8), plan.lin_steps, plan.lin_base, plan.lin_scale, smax,
@@ -590,8 +598,8 @@ class TritonReader:
             _key_stage_imma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
                                            plan.lin_steps, plan.lin_base, plan.lin_scale, plan.logits, plan.mstat,
                                            plan.sstat, scale, slots, tmax, smax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
-                                           NWARP=self.imma_warps, VST=self.imma_vstore and tmax % 8 == 0,
-                                           num_warps=self.imma_warps)
+                                           NWARP=plan.mma_pages, VST=self.imma_vstore and tmax % 8 == 0,
+                                           num_warps=plan.mma_pages)
         elif plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
             _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
                                  plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,
@@ -599,8 +607,8 @@ class TritonReader:
             _key_stage_mma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
                                           plan.lin_steps, plan.lin_base, plan.logits, plan.mstat, plan.sstat, scale,
                                           slots, tmax, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
-                                          NWARP=MMA_WARPS, PREFETCH=2, BITS=self._bits("key_bits"),
-                                          num_warps=MMA_WARPS)
+                                          NWARP=plan.mma_pages, PREFETCH=2, BITS=self._bits("key_bits"),
+                                          num_warps=plan.mma_pages)
         elif self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
@@ -730,7 +738,7 @@ class TritonReader:
                             plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=self._blk,
                             TS=max(1, 1024 // d), num_warps=nw)
         mark("refine_decode")
-        ntok = self._mma_pages * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
+        ntok = plan.mma_pages * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
         _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
                                              G2=g2, NTOK=ntok, num_warps=nw)
         mark("refine_stats")

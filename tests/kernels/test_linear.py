@@ -448,3 +448,17 @@ def test_int8_key_stage_emulated(hq: int, hk: int, d: int) -> None:
         assert torch.equal(vdk[i, : n * 512], vd[i, :n].reshape(-1))
     torch.testing.assert_close(b2, base2, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(vs, sg, rtol=1e-6, atol=0)
+
+
+def test_a_plan_runs_only_with_the_key_bits_it_was_made_for() -> None:
+    """The int8 and fp16 bit-product Key stages split the pages differently (4 / 8 per program), so a
+    plan records which one it was made for (and its pages per split), and a reader whose key_bits
+    changed since refuses it instead of covering only part of the tokens."""
+    codec, cache, q = _linear_cache(8, 2, 5, [150, 97])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.875))
+    plan = reader.plan(2, 150, "cpu")
+    assert not plan.key_mma and not plan.key_int8 and plan.mma_pages == 0  # never in the interpreter
+    plan.key_mma, plan.key_int8, plan.mma_pages = True, True, reader.imma_warps  # as a GPU plan would be
+    reader.key_bits = "shifted"
+    with pytest.raises(ValueError, match="key_bits"):
+        reader.decode(q, cache, 0, plan=plan)
