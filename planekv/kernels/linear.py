@@ -400,7 +400,8 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
     tl.static_assert(G <= 4, "three digits of up to 4 query heads in two n-tiles")
     pid_bh, split, b, h, T, NSPLIT, w, g, q, pb = _page_lanes(kb_ptr, pt_ptr, len_ptr, SLOTS, HKV, D, W, P, NWARP)
     op = off_ptr + pid_bh * SMAX * 32 + q  # lane q's offset of byte k of word v in step s at + 32 s + 4 (4 v + k)
-    vp = vd_ptr + pid_bh * SMAX * 128 + g * 4 + q  # column g, lane q: word (n-tile n, v) of step s at + 128 s + 32 (2 n + v)
+    # column g, lane q: word (n-tile n, v) of step s at + 128 s + 32 (2 n + v)
+    vp = vd_ptr + pid_bh * SMAX * 128 + g * 4 + q
     zero = tl.zeros([32 * NWARP], tl.int32)
     c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
     c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
