@@ -816,67 +816,73 @@ def linear_fold(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, b
     return dep, wt, base.view(bsz, hk, -1) + (wf * a[dep][..., None]).sum(2)
 
 
-def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
-                 page_size: int) -> tuple[torch.Tensor, ...]:
-    """The operands of :func:`_key_stage_mma`: per head its pairs (c, j < t_c) plane-major (so that
-    neighbouring list entries are neighbouring channels of one plane, whose bytes share a sector),
-    in steps of 16 laid out in fragment order: (byte offsets [B*Hkv, S, 4 registers r, 4 lanes q] int32,
-    V [B*Hkv, S, 2 words, 8 columns, 4 lanes q] int32 words of fp16 pairs, the number of steps
-    [B*Hkv], base' [B, Hq]). Lane q's registers r = 0..3 take list entries 16 s + 8 v + 4 h + q ((h, v) = (0, 0),
-    (1, 0), (0, 1), (1, 1)): the A fragment's columns 2q, 2q+1, 2q+8, 2q+9. Column 2n of V is query
-    head n's 2^7 V hi, column 2n + 1 its lo half (G <= 4)."""
+def _pair_list(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor, page_size: int,
+               step: int) -> tuple[torch.Tensor, ...]:
+    """What both operand layouts share: per head its pairs (c, j < t_c) plane-major (so that
+    neighbouring list entries are neighbouring channels of one plane, whose bytes share a sector) in
+    steps of ``step``: (live [B*Hkv, W*D] (j, c) bool, V [B*Hkv, W*D, G], the list rows and positions
+    of the live pairs, byte offsets in list order [B*Hkv, S*step] int32 (0 past the list), pairs per
+    head, S, base' [B, Hkv, G])."""
     bsz, hk, d = kdep.shape
     g = wf.shape[-1]
-    dep, wt, base2 = linear_fold(tree, kdep, wf, base)
     if g > 4:
         raise ValueError("the bit-product Key stage takes at most 4 query heads per KV head")
+    dep, wt, base2 = linear_fold(tree, kdep, wf, base)
     w, nb, dev = tree.depth, page_size // 8, kdep.device
-    base2 = base2.reshape(bsz, hk * g).contiguous()
     bh = bsz * hk
     jj = torch.arange(w, device=dev)
     live = (jj[None, :, None] < dep.reshape(bh, 1, d)).reshape(bh, w * d)  # plane-major (j, c)
     vjc = (wf.reshape(bh, 1, d, g) * wt[dep.reshape(bh, d)].transpose(1, 2)[..., None]).reshape(bh, w * d, g)
     off = ((jj[:, None] * d + torch.arange(d, device=dev)[None, :]) * nb).reshape(w * d).int()
     cnt = live.sum(1)
-    n_steps = max(1, -(-int(cnt.max()) // 16))
-    pos = torch.cumsum(live.int(), 1) - 1
-    rows = torch.arange(bh, device=dev)[:, None].expand(-1, w * d)
-    offl = torch.zeros(bh, n_steps * 16, dtype=torch.int32, device=dev)
-    vl = torch.zeros(bh, n_steps * 16, 8, dtype=torch.float32, device=dev)
-    offl[rows[live], pos[live]] = off[None, :].expand(bh, -1)[live]
+    n_steps = max(1, -(-int(cnt.max()) // step))
+    pos = (torch.cumsum(live.int(), 1) - 1)[live]
+    rows = torch.arange(bh, device=dev)[:, None].expand(-1, w * d)[live]
+    offl = torch.zeros(bh, n_steps * step, dtype=torch.int32, device=dev)
+    offl[rows, pos] = off[None, :].expand(bh, -1)[live]
+    return live, vjc, rows, pos, offl, cnt, n_steps, base2
+
+
+def mma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, ...]:
+    """The operands of :func:`_key_stage_mma`: per head its pairs plane-major (:func:`_pair_list`) in
+    steps of 16 laid out in fragment order: (byte offsets [B*Hkv, S, 4 registers r, 4 lanes q] int32,
+    V [B*Hkv, S, 2 words, 8 columns, 4 lanes q] int32 words of fp16 pairs, the number of steps
+    [B*Hkv], base' [B, Hq]). Lane q's registers r = 0..3 take list entries 16 s + 8 v + 4 h + q ((h, v) = (0, 0),
+    (1, 0), (0, 1), (1, 1)): the A fragment's columns 2q, 2q+1, 2q+8, 2q+9. Column 2n of V is query
+    head n's 2^7 V hi, column 2n + 1 its lo half (G <= 4)."""
+    bsz, hk, _ = kdep.shape
+    g = wf.shape[-1]
+    live, vjc, rows, pos, offl, cnt, n_steps, base2 = _pair_list(tree, kdep, wf, base, page_size, 16)
+    bh = bsz * hk
+    vl = torch.zeros(bh, n_steps * 16, 8, dtype=torch.float32, device=kdep.device)
     vv = vjc[live] * BIT_SCALE  # [n_live, G]
     if float(vv.abs().max()) > 60000.0:
         raise ValueError("2^7 V exceeds the fp16 range; the probe has no other scaling")
     hi = vv.half()
     lo = (vv - hi.float()).half()
-    vl[rows[live], pos[live], 0: 2 * g: 2] = hi.float()
-    vl[rows[live], pos[live], 1: 2 * g: 2] = lo.float()
+    vl[rows, pos, 0: 2 * g: 2] = hi.float()
+    vl[rows, pos, 1: 2 * g: 2] = lo.float()
     # fragment order: entry 16 s + 8 v + 4 h + q -> [s, q, r] with r = h + 2 v
     offf = offl.view(bh, n_steps, 2, 2, 4).reshape(bh, n_steps, 4, 4).contiguous()  # [s, r = h + 2 v, q]
     vf = vl.half().view(bh, n_steps, 2, 2, 4, 8).permute(0, 1, 2, 5, 4, 3)  # [s, v, column, q, h]
     vf = vf.contiguous().view(torch.int32).squeeze(-1)  # [bh, S, 2 (b0 = r0 r1, b1 = r2 r3), 8, 4]
     steps = ((cnt + 15) // 16).int()
-    return offf, vf, steps, base2
+    return offf, vf, steps, base2.reshape(bsz, hk * g).contiguous()
 
 
 def imma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor, base: torch.Tensor,
                   page_size: int) -> tuple[torch.Tensor, ...]:
     """The operands of :func:`_key_stage_imma` (the torch reference of ``_lin_prep_i8``): per head its
-    pairs (c, j < t_c) plane-major in steps of 32, list entry 32 s + 16 v + 4 q + k at (byte offsets
+    pairs plane-major (:func:`_pair_list`) in steps of 32, list entry 32 s + 16 v + 4 q + k at (byte offsets
     [B*Hkv, S, 2 words v, 4 bytes k, 4 lanes q] int32, V digits [B*Hkv, S, 2 n-tiles, 2 words v, 8 columns,
     4 lanes q, 4 bytes k] int8, the number of steps [B*Hkv], base' [B, Hq], the digit scale S_g [B, Hq]).
     Column 2n of n-tile 0 holds query head n's digit 0 of V / S_n, column 2n + 1 digit 1, column 2n of
     n-tile 1 digit 2 (base :data:`IMMA_BASE`); the other columns are zero."""
-    bsz, hk, d = kdep.shape
+    bsz, hk, _ = kdep.shape
     g = wf.shape[-1]
-    if g > 4:
-        raise ValueError("the int8 bit-product Key stage takes at most 4 query heads per KV head")
-    dep, wt, base2 = linear_fold(tree, kdep, wf, base)
-    w, nb, dev = tree.depth, page_size // 8, kdep.device
+    live, vjc, rows, pos, offl, cnt, n_steps, base2 = _pair_list(tree, kdep, wf, base, page_size, 32)
     bh = bsz * hk
-    jj = torch.arange(w, device=dev)
-    live = (jj[None, :, None] < dep.reshape(bh, 1, d)).reshape(bh, w * d)  # plane-major (j, c)
-    vjc = (wf.reshape(bh, 1, d, g) * wt[dep.reshape(bh, d)].transpose(1, 2)[..., None]).reshape(bh, w * d, g)
     vjc = vjc * live[..., None]
     sg = vjc.abs().amax(1).clamp_min(1e-30) / 127.0  # [bh, G]
     x = vjc / sg[:, None, :]
@@ -884,18 +890,11 @@ def imma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor,
     r = (x - d0) * IMMA_BASE
     d1 = torch.floor(r + 0.5)
     d2 = torch.floor((r - d1) * IMMA_BASE + 0.5)
-    off = ((jj[:, None] * d + torch.arange(d, device=dev)[None, :]) * nb).reshape(w * d).int()
-    cnt = live.sum(1)
-    n_steps = max(1, -(-int(cnt.max()) // 32))
-    pos = torch.cumsum(live.int(), 1) - 1
-    rows = torch.arange(bh, device=dev)[:, None].expand(-1, w * d)
-    offl = torch.zeros(bh, n_steps * 32, dtype=torch.int32, device=dev)
-    dl = torch.zeros(bh, n_steps * 32, 2, 8, dtype=torch.int8, device=dev)  # [entry, n-tile, column]
-    offl[rows[live], pos[live]] = off[None, :].expand(bh, -1)[live]
+    dl = torch.zeros(bh, n_steps * 32, 2, 8, dtype=torch.int8, device=kdep.device)  # [entry, n-tile, column]
     for n in range(g):
-        dl[rows[live], pos[live], 0, 2 * n] = d0[live][:, n].to(torch.int8)
-        dl[rows[live], pos[live], 0, 2 * n + 1] = d1[live][:, n].to(torch.int8)
-        dl[rows[live], pos[live], 1, 2 * n] = d2[live][:, n].to(torch.int8)
+        dl[rows, pos, 0, 2 * n] = d0[live][:, n].to(torch.int8)
+        dl[rows, pos, 0, 2 * n + 1] = d1[live][:, n].to(torch.int8)
+        dl[rows, pos, 1, 2 * n] = d2[live][:, n].to(torch.int8)
     # entry 32 s + 16 v + 4 q + k
     offf = offl.view(bh, n_steps, 2, 4, 4).transpose(3, 4).contiguous()  # [s, v, k, q]
     vd = dl.view(bh, n_steps, 2, 4, 4, 2, 8).permute(0, 1, 5, 2, 6, 3, 4).contiguous()  # [s, n, v, col, q, k]
