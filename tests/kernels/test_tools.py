@@ -79,6 +79,28 @@ def test_word_reads_round_each_word_up_to_its_deepest_channel() -> None:
     assert mod.word_cost(mixed, torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]]), word=2) == 2 * (8 + 1 + 1 + 1)
 
 
+def test_layout_bytes_count_the_granules_each_layout_touches() -> None:
+    """value_layout_bytes.py (KERNEL_NOTES run 65): plane-major Value rows (16 bytes at d = 128) share a
+    granule with their neighbours only in the planes both reach; token-major rows keep a token's
+    planes together; Key planes are counted per page and granule of channels."""
+    path = ROOT / "benchmarks" / "tools" / "value_layout_bytes.py"
+    spec = importlib.util.spec_from_file_location("value_layout_bytes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    import torch
+
+    dep = torch.tensor([[[1, 0, 0, 2, 4, 4, 0, 3]]])  # one head, 8 tokens, logical 14 rows = 224 bytes
+    # 32-byte granules hold 2 tokens: planes reached 1, 2, 4, 3 -> 10 granules
+    assert mod.value_plane_major(dep, 16, 32, 8) == 10 * 32
+    assert mod.value_plane_major(dep, 16, 64, 8) == (2 + 4) * 64  # 4 tokens a granule: max 2, max 4
+    # token-major: a token's first s rows, ceil(16 s / g) granules
+    assert mod.value_token_major(dep, 16, 32, 8) == (1 + 1 + 2 + 2 + 2) * 32
+    assert mod.value_token_major(dep, 16, 128, 8) == 5 * 128
+    assert mod.value_plane_major(dep, 16, 16, 8) == 14 * 16  # row-sized granules: the logical bytes
+    kdep = torch.tensor([[[3, 0, 0, 0, 1, 1, 1, 1]]])  # 8 channels, 64-token pages: 8-byte rows
+    assert mod.key_plane_major(kdep, torch.tensor([2.0]), 64, 32) == 2 * (3 + 1) * 32  # 4 channels a granule
+
+
 def test_reader_settings_of_the_tools() -> None:
     """ab_knobs.py / profile_step.py's ``--set name=value[,...]``: numbers parsed, unknown names refused."""
     from planekv.kernels import TritonReader
