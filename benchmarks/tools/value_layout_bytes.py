@@ -16,7 +16,7 @@ counts, from the step's Key and Value depths, the bytes of plane data that granu
 - the logical bytes (depth x row bytes), against which the others are ratios.
 
 What the model misses (request coalescing across warps, L2 hits between pages, prefetch) is what the
-Nsight Compute figures of the same step (KERNEL_NOTES run 65) measure.
+Nsight Compute figures of the same step (KERNEL_NOTES run 67) measure.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _gen, _policy
+from planekv.kernels.bench import SHAPES, _gen, _policy, _sector_bytes_k, _sector_bytes_v
 from planekv.kernels.reader import TritonReader
 from planekv.kvstore.codebook import CODEBOOKS
 
@@ -34,13 +34,10 @@ GRANULES = (32, 64, 128)
 
 
 def value_plane_major(dep: torch.Tensor, row: int, granule: int, width: int) -> float:
-    """dep [B, Hkv, T] (0 past the length): per plane, granules of granule // row tokens with one deeper."""
-    per = max(1, granule // row)
-    t = dep.shape[-1]
-    if t % per:
-        dep = torch.nn.functional.pad(dep, (0, per - t % per))
-    gmax = dep.reshape(*dep.shape[:-1], -1, per).amax(-1)  # a granule's deepest token
-    return float(gmax.sum()) * max(granule, row)
+    """dep [B, Hkv, T] (0 past the length): per plane, granules of granule // row tokens with one
+    deeper (the benchmark's own sector count, at any granule; ``width`` unused, as token-major takes it)."""
+    lengths = torch.full(dep.shape[:1], dep.shape[-1], device=dep.device)
+    return _sector_bytes_v(dep, lengths, 8 * row, granule)
 
 
 def value_token_major(dep: torch.Tensor, row: int, granule: int, width: int) -> float:
@@ -51,12 +48,9 @@ def value_token_major(dep: torch.Tensor, row: int, granule: int, width: int) -> 
 
 
 def key_plane_major(kdep: torch.Tensor, pages: torch.Tensor, page: int, granule: int) -> float:
-    """kdep [B, Hkv, d]: per page and plane, granules of granule // (page / 8) channels with one deeper."""
-    row = page // 8
-    per = max(1, granule // row)
-    b, hk, d = kdep.shape
-    gmax = kdep.reshape(b, hk, d // per, per).amax(-1)
-    return float((gmax.sum((1, 2)).double() * pages.double()).sum()) * max(granule, row)
+    """kdep [B, Hkv, d]: per page and plane, granules of granule // (page / 8) channels with one deeper
+    (the benchmark's own sector count; ``pages`` per sequence)."""
+    return _sector_bytes_k(kdep, pages * page, page, granule)
 
 
 def main() -> int:

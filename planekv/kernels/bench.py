@@ -209,21 +209,22 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _sector_bytes_k(kdep: torch.Tensor, lengths: torch.Tensor, page: int) -> float:
-    """K words touched: per page and plane j, every 32-byte sector (32*8/page channels) holding a
-    channel with depth > j. kdep [B, Hkv, d]."""
+def _sector_bytes_k(kdep: torch.Tensor, lengths: torch.Tensor, page: int, granule: int = 32) -> float:
+    """K words touched: per page and plane j, every 32-byte sector (32*8/page channels; or granule of
+    ``granule`` bytes) holding a channel with depth > j. kdep [B, Hkv, d]."""
     row = page // 8
-    per_sector = max(1, 32 // row)
+    per_sector = max(1, granule // row)
     b, hk, d = kdep.shape
     grp = kdep.reshape(b, hk, d // per_sector, per_sector).amax(-1)  # [B, Hkv, sectors]
     pages = torch.ceil(lengths.double() / page)  # [B]
-    return float((grp.sum((1, 2)).double() * pages).sum()) * 32
+    return float((grp.sum((1, 2)).double() * pages).sum()) * max(granule, row)
 
 
-def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int) -> float:
-    """V rows touched: per plane, every 32-byte sector (256/d rows) holding a token with depth > j."""
+def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int, granule: int = 32) -> float:
+    """V rows touched: per plane, every 32-byte sector (256/d rows; or granule of ``granule`` bytes)
+    holding a token with depth > j."""
     row = d // 8
-    per_sector = max(1, 32 // row)
+    per_sector = max(1, granule // row)
     b, hk, t = vdep.shape
     mask = torch.arange(t, device=vdep.device)[None, None, :] < lengths.to(vdep.device)[:, None, None]
     dep = vdep.long() * mask
@@ -231,7 +232,7 @@ def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int) -> float:
     if pad:
         dep = torch.nn.functional.pad(dep, (0, pad))
     dep = dep.reshape(b, hk, -1, per_sector).amax(-1)
-    return float(dep.sum()) * max(32, row)
+    return float(dep.sum()) * max(granule, row)
 
 
 def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, spec: FormatSpec) -> float:

@@ -80,7 +80,7 @@ def test_word_reads_round_each_word_up_to_its_deepest_channel() -> None:
 
 
 def test_layout_bytes_count_the_granules_each_layout_touches() -> None:
-    """value_layout_bytes.py (KERNEL_NOTES run 65): plane-major Value rows (16 bytes at d = 128) share a
+    """value_layout_bytes.py (KERNEL_NOTES run 67): plane-major Value rows (16 bytes at d = 128) share a
     granule with their neighbours only in the planes both reach; token-major rows keep a token's
     planes together; Key planes are counted per page and granule of channels."""
     path = ROOT / "benchmarks" / "tools" / "value_layout_bytes.py"
