@@ -32,12 +32,13 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_one(fn, sig: dict[str, str], consts: dict, num_warps: int = 4, sass_dir: str | None = None, tag: str = ""):
+def compile_one(fn, sig: dict[str, str], consts: dict, num_warps: int = 4, sass_dir: str | None = None, tag: str = "",
+                maxnreg: int | None = None):
     full = dict(sig)
     for k in consts:
         full[k] = "constexpr"
     k = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts), target=TARGET,
-                       options={"num_warps": num_warps})
+                       options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         open(ptx, "w").write(k.asm["ptx"])
@@ -300,6 +301,14 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  NSK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, BITS=2), num_warps=max(1, d // 128), sass_dir=sd, tag=tag)
+        for pair in (False, True) if g <= 4 and want(L._value_stage_imma) else ():
+            compile_one(L._value_stage_imma, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
+                                                  sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
+                                                  linw_ptr=PI, part_ptr=PI, wmax="fp32", SLOTS="i32", TMAX="i32",
+                                                  NSK="i32"),
+                        dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
+                             BLK=1024, TS=256, PAIR=pair), num_warps=max(1, d // 128), sass_dir=sd,
+                        tag=f"{tag}{'-pair' if pair else ''}")
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

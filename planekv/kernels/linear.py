@@ -231,21 +231,31 @@ _IMMA_BASE = tl.constexpr(IMMA_BASE)
 _IMMA_CONS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 14))
 
 
+def _u8_tiles_asm(i: int, x: str, y: str, n0: tuple[str, str, str], n1: tuple[str, str, str], b1_type: str = "s8",
+                  regs: str = "", pre: str = "") -> str:
+    """PTX for M-tile i of a K step of 32: A (rows g / g + 8 = bit 2i / 2i + 1 of the bytes in the words
+    x and y, left in place: one ``and`` per register) against two n-tiles, each given as (D, B, C)
+    register lists; n-tile 0's B is signed, n-tile 1's ``b1_type``. ``regs`` / ``pre``: more local
+    registers and instructions before the products."""
+    lo, hi = hex(0x01010101 << (2 * i)), hex(0x02020202 << (2 * i))
+    return "\n".join([
+        "{", f".reg .b32 a<4>{regs};", *([pre] if pre else []),
+        f"and.b32 a0, {x}, {lo};", f"and.b32 a1, {x}, {hi};", f"and.b32 a2, {y}, {lo};", f"and.b32 a3, {y}, {hi};",
+        f"mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {{{n0[0]}}}, {{a0, a1, a2, a3}}, {{{n0[1]}}}, "
+        f"{{{n0[2]}}};",
+        f"mma.sync.aligned.m16n8k32.row.col.s32.u8.{b1_type}.s32 {{{n1[0]}}}, {{a0, a1, a2, a3}}, {{{n1[1]}}}, "
+        f"{{{n1[2]}}};",
+        "}"])
+
+
 def _imma_tile_asm(i: int) -> str:
     """PTX for M-tile i of one K step of 32 pairs: $0..$3 the new n-tile 0 accumulators, $4..$7 n-tile
     1's, inputs x, y (the plane bytes of the lane's pairs 4q..4q+3 and 16+4q..16+4q+3 as one word each),
     the lane's V digit words of n-tile 0 (two) and 1 (two), then the old accumulators. Row g / g + 8 of
     tile i is bit 2i / 2i + 1 of every byte, left in place: the unsigned A operand is 2^(2i) / 2^(2i+1)
     per set bit (undone per row in the epilogue), one ``and`` per register of four bits."""
-    lo, hi = hex(0x01010101 << (2 * i)), hex(0x02020202 << (2 * i))
-    return "\n".join([
-        "{", ".reg .b32 a<4>;",
-        f"and.b32 a0, $8, {lo};", f"and.b32 a1, $8, {hi};", f"and.b32 a2, $9, {lo};", f"and.b32 a3, $9, {hi};",
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$10, $11}, "
-        "{$14, $15, $16, $17};",
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$4, $5, $6, $7}, {a0, a1, a2, a3}, {$12, $13}, "
-        "{$18, $19, $20, $21};",
-        "}"])
+    return _u8_tiles_asm(i, "$8", "$9", ("$0, $1, $2, $3", "$10, $11", "$14, $15, $16, $17"),
+                         ("$4, $5, $6, $7", "$12, $13", "$18, $19, $20, $21"))
 
 
 _IMMA_T0 = tl.constexpr(_imma_tile_asm(0))
@@ -636,6 +646,15 @@ def _v_val(hi, lo, k: tl.constexpr, inv, ab, BITS: tl.constexpr):
 
 
 @triton.jit
+def _v_lanes(HKV: tl.constexpr, NWARP: tl.constexpr):
+    """A bit-product Value-stage program's (b*Hkv + h, block, blocks, b, h) and its lanes' (warp, gid, q)."""
+    pid_bh = tl.program_id(0)
+    t = tl.arange(0, 32 * NWARP)
+    return (pid_bh, tl.program_id(1), tl.num_programs(1), pid_bh // HKV, pid_bh % HKV, t // 32, (t % 32) // 4,
+            t % 4)
+
+
+@triton.jit
 def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vord_ptr, vcnt_ptr, lina_ptr,
                      linw_ptr, part_ptr, vscale, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
                      G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
@@ -663,15 +682,7 @@ def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, v
     NWARP: tl.constexpr = D // CW
     NB8: tl.constexpr = D // 8
     PLANE: tl.constexpr = P * NB8
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    NBLK = tl.num_programs(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
-    t = tl.arange(0, 32 * NWARP)
-    w = t // 32
-    gid = (t % 32) // 4
-    q = t % 4
+    pid_bh, blk, NBLK, b, h, w, gid, q = _v_lanes(HKV, NWARP)
     gc = gid // 2  # the query head of B column gid (even: high half, odd: low half)
     lo_f = (gid % 2).to(tl.float32)
     col_ok = gc < G
@@ -733,6 +744,296 @@ def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, v
     if TWO:  # M-tiles 4-7: byte column bc + 8
         _v_store8(part_ptr, prow, 64, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, inv, ab, ok,
                   BITS)
+
+
+# The Value stage on int8 tensor cores (KERNEL_NOTES, "the Value stage on int8 tensor cores"): per plane and
+# step of 32 listed tokens, A = the plane bytes in place (unsigned 2^k per set bit, as the Key stage's),
+# B = the bytes of Y = rint(p w / S) (|Y| <= 2^22): n-tile 0 column 2n the top byte of query head n
+# (signed), odd columns zero; n-tile 1 columns 2n / 2n + 1 its bytes 1 / 0 (unsigned).
+_VIMMA_CONS = tl.constexpr(",".join(["=r"] * 6 + ["r"] * 12))
+
+
+def _vimma_tile_asm(i: int) -> str:
+    """PTX for M-tile i of one plane and step: $0, $1 n-tile 0's live accumulators (rows gid / gid + 8,
+    column 2q; its odd columns, always zero, stay in registers local to the block), $2..$5 n-tile 1's,
+    inputs x, y (the lane's eight token bytes of its byte column), the B words of n-tile 0 (two) and 1
+    (two), then the old accumulators in the same order."""
+    return _u8_tiles_asm(i, "$6", "$7", ("$0, z1, $1, z2", "$8, $9", "$12, z0, $13, z0"),
+                         ("$2, $3, $4, $5", "$10, $11", "$14, $15, $16, $17"), "u8", ", z<3>", "mov.b32 z0, 0;")
+
+
+_VIMMA_T0 = tl.constexpr(_vimma_tile_asm(0))
+_VIMMA_T1 = tl.constexpr(_vimma_tile_asm(1))
+_VIMMA_T2 = tl.constexpr(_vimma_tile_asm(2))
+_VIMMA_T3 = tl.constexpr(_vimma_tile_asm(3))
+# B words of four tokens from their p w / S: Y = cvt.rni, n-tile 0 the bytes 2 (masked by $7: zero in odd
+# columns), n-tile 1 the bytes picked by the lane's selector $6 (0x51: bytes 1, 0x40: bytes 0)
+_VB4 = tl.constexpr("{ .reg .b32 y0, y1, y2, y3, t0, t1; cvt.rni.s32.f32 y0, $2; cvt.rni.s32.f32 y1, $3; "
+                    "cvt.rni.s32.f32 y2, $4; cvt.rni.s32.f32 y3, $5; prmt.b32 t0, y0, y1, $6; "
+                    "prmt.b32 t1, y2, y3, $6; prmt.b32 $1, t0, t1, 0x5410; prmt.b32 t0, y0, y1, 0x62; "
+                    "prmt.b32 t1, y2, y3, 0x62; prmt.b32 t0, t0, t1, 0x5410; and.b32 $0, t0, $7; }")
+
+
+@triton.jit
+def _vb4(f0, f1, f2, f3, sel, msk):
+    return tl.inline_asm_elementwise(_VB4, "=r,=r,f,f,f,f,r,r", [f0, f1, f2, f3, sel, msk],
+                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, TILE: tl.constexpr):
+    if TILE == 0:
+        asm: tl.constexpr = _VIMMA_T0
+    elif TILE == 1:
+        asm: tl.constexpr = _VIMMA_T1
+    elif TILE == 2:
+        asm: tl.constexpr = _VIMMA_T2
+    else:
+        asm: tl.constexpr = _VIMMA_T3
+    return tl.inline_asm_elementwise(asm, _VIMMA_CONS, [x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5],
+                                     dtype=(tl.int32,) * 6, is_pure=True, pack=1)
+
+
+@triton.jit
+def _vimma_col(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
+               c18, c19, c20, c21, c22, c23):
+    """The four M-tiles of one byte column (6 live accumulators each)."""
+    c0, c1, c2, c3, c4, c5 = _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, 0)
+    c6, c7, c8, c9, c10, c11 = _vimma_tile(x, y, b0, b1, b2, b3, c6, c7, c8, c9, c10, c11, 1)
+    c12, c13, c14, c15, c16, c17 = _vimma_tile(x, y, b0, b1, b2, b3, c12, c13, c14, c15, c16, c17, 2)
+    c18, c19, c20, c21, c22, c23 = _vimma_tile(x, y, b0, b1, b2, b3, c18, c19, c20, c21, c22, c23, 3)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
+            c23)
+
+
+@triton.jit
+def _vi_kvs(obase, first, q, n_items, W: tl.constexpr):
+    """A lane's eight list entries of the step starting at ``first`` (4q..4q+3, 16+4q..16+4q+3)."""
+    e = first + 4 * q
+    return (_v_kv(obase, e, n_items, W), _v_kv(obase, e + 1, n_items, W), _v_kv(obase, e + 2, n_items, W),
+            _v_kv(obase, e + 3, n_items, W), _v_kv(obase, e + 16, n_items, W), _v_kv(obase, e + 17, n_items, W),
+            _v_kv(obase, e + 18, n_items, W), _v_kv(obase, e + 19, n_items, W))
+
+
+@triton.jit
+def _vi_entry(kv, pgrow, lrow, blk, col_ok, m_t, bc, BLK: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+              NB8: tl.constexpr):
+    """(byte offset of the entry's plane-0 byte in column bc, its depth, exp(logit - the block's max))."""
+    page, lg = _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK, P, W)
+    row = (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc
+    return row, W - (kv >> 11), tl.exp(lg - m_t)
+
+
+_VLD2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov.b32 $1, 0; "
+                     "@p ld.global.nc.u8 $0, [$2]; @p ld.global.nc.u8 $1, [$2+8]; }")
+_VLD1 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $2, $3; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }")
+
+
+@triton.jit
+def _vi_bytes(vb_ptr, r, s, j, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """An entry's plane-j bytes of the lane's byte columns (bc, bc + 8 when TWO), each in the low bits
+    of a register, 0 for planes at or below the entry's depth s (inline PTX: one predicate, no
+    zero-extension)."""
+    ptr = (vb_ptr + r + j * PLANE).to(tl.int64, bitcast=True)
+    if TWO:
+        return tl.inline_asm_elementwise(_VLD2, "=r,=r,l,r,r", [ptr, j, s], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    x = tl.inline_asm_elementwise(_VLD1, "=r,l,r,r", [ptr, j, s], dtype=tl.int32, is_pure=True, pack=1)
+    return x, x
+
+
+@triton.jit
+def _vi_val(top, b1, b0, k: tl.constexpr, sc, ab):
+    """Channel bit k of a byte column (M-tile k // 2, row k % 2): the sums of Y's three bytes, bit k's
+    2^k undone, plus the constant term, times the scale."""
+    v = top.to(tl.float32) * 65536.0 + b1.to(tl.float32) * 256.0 + b0.to(tl.float32)
+    return (v * (1.0 / (1 << k)) + ab) * sc
+
+
+@triton.jit
+def _vi_store8(part_ptr, prow, OFF: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14,
+               c15, c16, c17, c18, c19, c20, c21, c22, c23, sc, ab, ok):
+    """The 8 channels OFF + 0..7 of one byte column (M-tile i: c(6i), c(6i+1) top sums of rows gid /
+    gid + 8, c(6i+2), c(6i+3) bytes 1 / 0 of row gid, c(6i+4), c(6i+5) of row gid + 8)."""
+    _st8((part_ptr + prow + OFF).to(tl.int64, bitcast=True), _vi_val(c0, c2, c3, 0, sc, ab),
+         _vi_val(c1, c4, c5, 1, sc, ab), _vi_val(c6, c8, c9, 2, sc, ab), _vi_val(c7, c10, c11, 3, sc, ab),
+         _vi_val(c12, c14, c15, 4, sc, ab), _vi_val(c13, c16, c17, 5, sc, ab), _vi_val(c18, c20, c21, 6, sc, ab),
+         _vi_val(c19, c22, c23, 7, sc, ab), ok)
+
+
+@triton.jit
+def _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj, PLANE: tl.constexpr, TWO:
+            tl.constexpr):
+    """Plane jj's bytes of a lane's eight entries, packed: (x, y) of byte column bc, (x2, y2) of bc + 8."""
+    u0, v0 = _vi_bytes(vb_ptr, r0, s0, jj, PLANE, TWO)
+    u1, v1 = _vi_bytes(vb_ptr, r1, s1, jj, PLANE, TWO)
+    u2, v2 = _vi_bytes(vb_ptr, r2, s2, jj, PLANE, TWO)
+    u3, v3 = _vi_bytes(vb_ptr, r3, s3, jj, PLANE, TWO)
+    u4, v4 = _vi_bytes(vb_ptr, r4, s4, jj, PLANE, TWO)
+    u5, v5 = _vi_bytes(vb_ptr, r5, s5, jj, PLANE, TWO)
+    u6, v6 = _vi_bytes(vb_ptr, r6, s6, jj, PLANE, TWO)
+    u7, v7 = _vi_bytes(vb_ptr, r7, s7, jj, PLANE, TWO)
+    return _pack4(u0, u1, u2, u3), _pack4(u4, u5, u6, u7), _pack4(v0, v1, v2, v3), _pack4(v4, v5, v6, v7)
+
+
+@triton.jit
+def _vi_mma(linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6, p7, sel, msk0, j, x, y, x2, y2, c0,
+           c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23,
+           d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
+           d23, W: tl.constexpr, TWO: tl.constexpr):
+    """Plane j's B words from the entries' p / S and w_sj, and the MMAs of both byte columns."""
+    lw = linw_ptr + j
+    b0, b2 = _vb4(p0 * tl.load(lw + s0 * W), p1 * tl.load(lw + s1 * W), p2 * tl.load(lw + s2 * W),
+                  p3 * tl.load(lw + s3 * W), sel, msk0)
+    b1, b3 = _vb4(p4 * tl.load(lw + s4 * W), p5 * tl.load(lw + s5 * W), p6 * tl.load(lw + s6 * W),
+                  p7 * tl.load(lw + s7 * W), sel, msk0)
+    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
+     c23) = _vimma_col(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14,
+                       c15, c16, c17, c18, c19, c20, c21, c22, c23)
+    if TWO:
+        (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21,
+         d22, d23) = _vimma_col(x2, y2, b0, b1, b2, b3, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11,
+                                d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
+            c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21,
+            d22, d23)
+
+
+@triton.jit
+def _vi_plane(vb_ptr, linw_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5,
+              p6, p7, sel, msk0, jj, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
+              c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16,
+              d17, d18, d19, d20, d21, d22, d23, PLANE: tl.constexpr, W: tl.constexpr, TWO: tl.constexpr, PAIR:
+              tl.constexpr):
+    """Plane j (``jj`` the same as an int32 tensor) of a step of :func:`_value_stage_imma`, and with
+    PAIR plane j + 1 too (its bytes loaded with plane j's; where it is below every entry's depth its
+    loads are predicated off and its B words are zero)."""
+    x, y, x2, y2 = _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj, PLANE, TWO)
+    if PAIR:
+        xb, yb, x2b, y2b = _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj + 1,
+                                    PLANE, TWO)
+    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0,
+     d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
+     d23) = _vi_mma(
+        linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6, p7, sel, msk0, j, x, y, x2, y2, c0, c1,
+        c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1,
+        d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, W, TWO)
+    if PAIR:
+        (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23,
+         d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
+         d23) = _vi_mma(
+            linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6, p7, sel, msk0, j + 1, xb, yb, x2b,
+            y2b, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21,
+            c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20,
+            d21, d22, d23, W, TWO)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
+            c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21,
+            d22, d23)
+
+
+@triton.jit
+def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vord_ptr, vcnt_ptr, lina_ptr,
+                      linw_ptr, part_ptr, wmax, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
+                      G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                      P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr, PAIR: tl.constexpr = False):
+    """:func:`_value_stage_mma` on int8 tensor cores (GPU only: inline PTX; ``value_bits="int8"``). Per
+    step of 32 list entries (the K of ``mma.m16n8k32``) lane (gid, q) holds entries 4q..4q+3 and
+    16+4q..16+4q+3; per plane j below the step's deepest it loads their bytes of its byte column gid
+    (and gid + 8) into two words each, and M-tile i's A is those words masked to bits 2i / 2i + 1
+    (channels 8 gid + 2i / + 1, unsigned 2^(2i) / 2^(2i+1) per set bit). B is Y = rint(p w_sj / S),
+    exact int32, with S per (block, query head) = the block's largest p (its split maxima in ``mstat``,
+    TS tokens per split) times max |w| over 2^22, so that |Y| <= 2^22 and a block's products resolve to
+    2^-22 of its largest: n-tile 0 column 2n carries query head n's top byte (signed), n-tile 1 columns
+    2n / 2n + 1 its bytes 1 / 0 (unsigned); lane (gid, q) builds column gid of its own eight entries and
+    its accumulators hold query head q's sums of the three bytes. The values are the unsigned form
+    ``a_s + sum_{j<s} w_sj b_j`` (``lina``, ``linw``). The plane loop is unrolled (immediate offsets);
+    PAIR takes the planes two at a time (both planes' loads issued together)."""
+    tl.static_assert(G <= 4, "three bytes of up to 4 query heads in two n-tiles")
+    tl.static_assert(D % 64 == 0, "64 channels per 4 M-tiles")
+    tl.static_assert(W % 2 == 0 or not PAIR, "planes in pairs need an even width")
+    TWO: tl.constexpr = D >= 128  # 8 M-tiles (two byte columns, 128 channels) per warp, else 4
+    CW: tl.constexpr = 128 if D >= 128 else 64
+    NWARP: tl.constexpr = D // CW
+    NB8: tl.constexpr = D // 8
+    PLANE: tl.constexpr = P * NB8
+    pid_bh, blk, NBLK, b, h, w, gid, q = _v_lanes(HKV, NWARP)
+    gc = gid // 2  # the query head of B column gid
+    col_ok = gc < G
+    sel = tl.where(gid % 2 == 0, 0x51, 0x40)  # n-tile 1: bytes 1 (even columns) or 0 (odd)
+    msk0 = tl.where(gid % 2 == 0, -1, 0)  # n-tile 0: top bytes in even columns only
+    mg, zs = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
+    # the block's largest logit per query head, from the splits it overlaps
+    gg = tl.arange(0, G2)
+    ss = tl.arange(0, NSK_PAD)
+    s_lo = blk * BLK // TS
+    s_hi = ((blk + 1) * BLK - 1) // TS
+    bm = (gg[:, None] < G) & (ss[None, :] >= s_lo) & (ss[None, :] <= s_hi) & (ss[None, :] < NSK)
+    mb = tl.max(tl.load(mstat_ptr + (b * HQ + h * G + gg[:, None]) * NSK + ss[None, :], mask=bm,
+                        other=float("-inf")), 1)
+    mb = tl.where(mb == float("-inf"), mg, mb)
+    # S_n = exp(mb_n - mg_n) / Z_n * wmax / 2^22; the lanes' p / S = exp(lg - mb) * 2^22 / wmax
+    sq = tl.exp(mb - mg) / zs * (wmax / 4194304.0)
+    m_t = tl.zeros([32 * NWARP], tl.float32)
+    sc = m_t
+    for n in tl.static_range(G):
+        m_t = tl.where(gc == n, tl.sum(tl.where(gg == n, mb, 0.0), 0), m_t)
+        sc = tl.where(q == n, tl.sum(tl.where(gg == n, sq, 0.0), 0), sc)
+    kw = 4194304.0 / wmax
+    lrow = logit_ptr + (b * HQ + h * G + tl.minimum(gc, G - 1)) * TMAX
+    pgrow = pt_ptr + pid_bh * SLOTS
+    obase = vord_ptr + pid_bh * TMAX + blk * BLK
+    n_items = _load_scalar(vcnt_ptr + pid_bh * NBLK + blk)
+    bc = (CW // 8) * w + gid  # the lane's byte column (and bc + 8 for M-tiles 4-7)
+    zero = tl.zeros([32 * NWARP], tl.int32)
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, \
+        zero, zero
+    c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23 = zero, zero, zero, zero, zero, zero, zero, zero, \
+        zero, zero, zero, zero
+    d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, \
+        zero, zero
+    d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23 = zero, zero, zero, zero, zero, zero, zero, zero, \
+        zero, zero, zero, zero
+    asum = tl.zeros([32 * NWARP], tl.float32)
+    f0 = _v_first(obase, 0, n_items, W)
+    for k in range(0, tl.cdiv(n_items, 32)):
+        fn = _v_first(obase, 32 * k + 32, n_items, W)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, 32 * k, q, n_items, W)
+        r0, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r1, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r2, s2, p2 = _vi_entry(k2, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r3, s3, p3 = _vi_entry(k3, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r4, s4, p4 = _vi_entry(k4, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r5, s5, p5 = _vi_entry(k5, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r6, s6, p6 = _vi_entry(k6, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        r7, s7, p7 = _vi_entry(k7, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        p0, p1, p2, p3, p4, p5, p6, p7 = p0 * kw, p1 * kw, p2 * kw, p3 * kw, p4 * kw, p5 * kw, p6 * kw, p7 * kw
+        asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
+                 + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
+                 + p6 * tl.load(lina_ptr + s6) + p7 * tl.load(lina_ptr + s7))
+        npl = W - (f0 >> 11)  # planes below the step's deepest entry
+        # planes unrolled: their offsets are immediates (KERNEL_NOTES run 70: B=32 T=32768 R=2 254 -> 198 us)
+        for j in tl.static_range(0, W, 2 if PAIR else 1):
+            if j < npl:
+                (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+                 c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17,
+                 d18, d19, d20, d21, d22, d23) = _vi_plane(
+                    vb_ptr, linw_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2,
+                    p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11,
+                    c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8,
+                    d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO, PAIR)
+        f0 = fn
+    # sum_t (p / S) a_s of query head n: the lanes of B column 2n (q = 0..3 cover a step's 32 entries;
+    # warp 0's copy: every warp computed the same)
+    ab = tl.zeros([32 * NWARP], tl.float32)
+    for n in tl.static_range(G):
+        ab = tl.where(q == n, tl.sum(tl.where((gid == 2 * n) & (w == 0), asum, 0.0), 0), ab)
+    ok = q < G
+    prow = ((b * HQ + h * G + tl.minimum(q, G - 1)) * NBLK + blk) * D + CW * w + 8 * gid
+    _vi_store8(part_ptr, prow, 0, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
+               c18, c19, c20, c21, c22, c23, sc, ab, ok)
+    if TWO:  # M-tiles 4-7: byte column bc + 8
+        _vi_store8(part_ptr, prow, 64, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17,
+                   d18, d19, d20, d21, d22, d23, sc, ab, ok)
 
 
 def value_scale(tree: UniformLinearTree) -> float:

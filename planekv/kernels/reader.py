@@ -45,6 +45,7 @@ from .linear import (
     _key_stage_mma,
     _lin_prep,
     _lin_prep_i8,
+    _value_stage_imma,
     _value_stage_mma,
     linear_tables,
     value_scale,
@@ -120,6 +121,7 @@ ASSEMBLY = ("transpose", "serial", "fma")
 # two-step prefetch measured fastest)
 MMA_WARPS = 8
 KEY_BITS = ("shifted", "in-place", "int8")  # TritonReader.key_bits
+VALUE_BITS = (*MMA_BITS, "int8")  # TritonReader.value_bits
 
 
 @dataclass
@@ -280,8 +282,18 @@ class TritonReader:
         # its logits as two 16-byte stores per lane (rows of a multiple of 8 entries; KERNEL_NOTES run 61:
         # B=32 T=32768 R=2 482 -> 410 us); False: eight 4-byte stores
         self.imma_vstore = True
-        self.value_bits = "signed"
+        # the Value stage's operands: "int8" (the default), bits in place against the three bytes of an
+        # int32 Y = rint(p w / S), exact int32 sums (_value_stage_imma; KERNEL_NOTES runs 69-71: B=32
+        # T=32768 Value stage 270 -> 198 us at R=2, 746 -> 562 at R=4), or fp16 bits ("signed": +1 / -1,
+        # "shifted": 0 / 1, "in-place") against p w in fp16 halves (_value_stage_mma)
+        self.value_bits = "int8"
+        # the int8 Value stage's planes two at a time: "auto" where it measured faster (head_dim >= 256:
+        # d=256 R=2 58 -> 52 us, R=4 163 -> 142; head_dim 128 slower: 198 -> 239 us, KERNEL_NOTES run 71)
+        self.imma_pair: bool | str = "auto"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
+        # max |w_tj|: the int8 Value stage's Y = rint(p w / S) stays within 2^22 with S = p_max wmax / 2^22
+        self._wmax = (float(linear_tables(codec.tree)[1].abs().max()) if isinstance(codec.tree, UniformLinearTree)
+                      else 1.0)
         if key_loop not in (None, 0, 1):
             raise ValueError(f"key_loop must be None, 0 or 1, got {key_loop!r}")
         # the FMA Key stage's channel walk (None: by step size, see _key_loop)
@@ -469,10 +481,10 @@ class TritonReader:
         return can
 
     def _bits(self, attr: str) -> int:
-        """``key_bits`` / ``value_bits`` as the kernels' BITS constexpr (an index into MMA_BITS; the
-        Key stage's "int8" as -1: the int8 kernel)."""
+        """``key_bits`` / ``value_bits`` as the kernels' BITS constexpr (an index into MMA_BITS; "int8"
+        as -1: the int8 kernel)."""
         v = getattr(self, attr)
-        ok = KEY_BITS if attr == "key_bits" else MMA_BITS
+        ok = KEY_BITS if attr == "key_bits" else VALUE_BITS
         if v not in ok:
             raise ValueError(f"{attr} must be one of {ok}, got {v!r}")
         return -1 if v == "int8" else MMA_BITS.index(v)
@@ -669,7 +681,15 @@ class TritonReader:
                                    tmax, rate, self.bk, bv_fixed, USE_RATE=use_rate, HKV=hk, HG=self.hg,
                                    NT_PAD=next_pow2(self.hg * nblk), SORT=plan.vsort, **vconst, num_warps=aw)
                 mark("value_order")
-        if plan.value_mma:
+        if plan.value_mma and self._bits("value_bits") < 0:
+            ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split
+            pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
+            _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
+                                    plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
+                                    HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, TS=ts,
+                                    PAIR=pair and w % 2 == 0,
+                                    num_warps=max(1, d // 128))
+        elif plan.value_mma:
             vb = self._bits("value_bits")
             signed = MMA_BITS[vb] == "signed"  # value = c_t + sum_j (-w_tj / 2) s_j, s_j = 1 - 2 b_j
             _value_stage_mma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,

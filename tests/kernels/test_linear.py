@@ -174,7 +174,8 @@ def test_bit_product_key_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> No
     bad.key_bits = "signed"
     with pytest.raises(ValueError, match="key_bits"):
         bad._bits("key_bits")
-    bad.value_bits = "int8"  # the Value stage has no int8 form
+    assert bad.value_bits == "int8" and bad._bits("value_bits") < 0  # the int8 Value stage by default
+    bad.value_bits = "int4"
     with pytest.raises(ValueError, match="value_bits"):
         bad._bits("value_bits")
 
@@ -462,3 +463,113 @@ def test_a_plan_runs_only_with_the_key_bits_it_was_made_for() -> None:
     reader.key_bits = "shifted"
     with pytest.raises(ValueError, match="key_bits"):
         reader.decode(q, cache, 0, plan=plan)
+
+
+def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: torch.Tensor, pair: bool
+                        ) -> tuple[torch.Tensor, int]:
+    """What ``_value_stage_imma`` writes to ``part``, lane by lane in torch: the block's scale from the
+    split maxima, the list walk in steps of 32 entries (lane (gid, q): entries 4q..4q+3, 16+4q..16+4q+3),
+    the plane bytes of its byte columns masked to each M-tile's bits, its B words (the bytes of Y =
+    rint(p w / S): the top byte in even columns of n-tile 0, bytes 1 / 0 in n-tile 1), the warp's int8
+    MMAs (:func:`_imma_m16n8k32`), and the epilogue. Also the largest |top byte| seen."""
+    spec = reader.codec.spec
+    hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
+    g = hq // hk
+    c = reader._consts[plan.device]
+    lina, linw, wmax = c["lin_a"], c["lin_w"], reader._wmax
+    blk_t, nblk, nsk = reader._blk, plan.n_blocks, plan.n_splits
+    ts_tok = (plan.mma_pages if plan.key_mma else reader._ppk) * p
+    cw = 128 if d >= 128 else 64
+    two = d >= 128
+    kw = 2.0 ** 22 / wmax
+    part = torch.zeros_like(plan.part)
+    lanes = torch.arange(32)
+    gid, q = lanes // 4, lanes % 4
+    gc, odd = gid // 2, gid % 2
+    top_max = 0
+    for bi in range(plan.batch):
+        for h in range(hk):
+            m = plan.mstat[bi, h * g: (h + 1) * g]
+            mg = m.max(1).values
+            mg = torch.where(mg == float("-inf"), torch.zeros(()), mg)
+            zs = (plan.sstat[bi, h * g: (h + 1) * g] * torch.exp(m - mg[:, None])).sum(1)
+            zs = torch.where(zs > 0, zs, torch.ones(()))
+            for blk in range(nblk):
+                s_lo, s_hi = blk * blk_t // ts_tok, min(((blk + 1) * blk_t - 1) // ts_tok, nsk - 1)
+                mb = m[:, s_lo: s_hi + 1].max(1).values
+                mb = torch.where(mb == float("-inf"), mg, mb)
+                sq = torch.exp(mb - mg) / zs * (wmax / 2.0 ** 22)
+                n_items = int(plan.vcnt[bi, h, blk])
+                lst = plan.vord[bi, h, blk * blk_t: blk * blk_t + n_items].long()
+                for wq in range(d // cw):
+                    bc = (cw // 8) * wq + gid
+                    acc0 = [torch.zeros(32, 4, dtype=torch.int64) for _ in range(8 if two else 4)]
+                    acc1 = [torch.zeros(32, 4, dtype=torch.int64) for _ in range(8 if two else 4)]
+                    asum = torch.zeros(32)
+                    for k in range(-(-n_items // 32)):
+                        ents = [32 * k + 4 * q + o for o in (0, 1, 2, 3, 16, 17, 18, 19)]
+                        kv = [torch.where(e < n_items, lst[e.clamp(max=max(n_items - 1, 0))], w << 11) for e in ents]
+                        dep = [w - (x >> 11) for x in kv]
+                        pos = [blk * blk_t + (x & 2047) for x in kv]
+                        pv = []
+                        for s_, ps in zip(dep, pos, strict=True):
+                            gg = gc.clamp(max=g - 1)
+                            lg = plan.logits[bi, h * g + gg, ps.clamp(max=plan.max_tokens - 1)]
+                            pv.append(torch.where((s_ > 0) & (gc < g), torch.exp(lg - mb[gg]) * kw, torch.zeros(())))
+                        asum += sum(x * lina[s_] for x, s_ in zip(pv, dep, strict=True))
+                        npl = w - int(lst[32 * k] >> 11)
+                        npl = min(w, -(-npl // 2) * 2) if pair else npl  # pairs: planes at or past depths add 0
+                        for j in range(npl):
+                            cols = []
+                            for s_, ps in zip(dep, pos, strict=True):
+                                row = v_pool[pt[bi, h, ps // p].long(), j, ps % p]  # [32 lanes, d / 8]
+                                cols.append([torch.where(j < s_, row[lanes, bc + 8 * col].long(), 0)
+                                             for col in range(2 if two else 1)])
+                            y = [torch.round(x * linw[s_ * w + j]).long() for x, s_ in zip(pv, dep, strict=True)]
+                            top = [v >> 16 for v in y]
+                            top_max = max(top_max, max(int(t.abs().max()) for t in top))
+                            n0 = torch.stack([torch.where(odd == 1, 0, t) for t in top], 1).view(32, 2, 4)
+                            n1 = torch.stack([torch.where(odd == 1, v & 255, (v >> 8) & 255) for v in y], 1)
+                            n1 = n1.view(32, 2, 4)
+                            for col in range(2 if two else 1):
+                                xb = torch.stack([cc[col] for cc in cols], 1)  # [32, 8 entries]
+                                for i in range(4):
+                                    lo, hi = 1 << (2 * i), 2 << (2 * i)
+                                    a = torch.stack([xb[:, :4] & lo, xb[:, :4] & hi, xb[:, 4:] & lo, xb[:, 4:] & hi], 1)
+                                    t = 4 * col + i
+                                    acc0[t] = _imma_m16n8k32(a, n0, acc0[t])
+                                    acc1[t] = _imma_m16n8k32(a, n1, acc1[t])
+                    ab = torch.zeros(32)
+                    for n in range(g):
+                        ab = torch.where(q == n, asum[gid == 2 * n].sum(), ab)
+                    for t in range(len(acc0)):
+                        col, i = divmod(t, 4)
+                        for r in range(2):
+                            ch = 8 * (bc + 8 * col) + 2 * i + r
+                            v = acc0[t][:, 2 * r] * 65536.0 + acc1[t][:, 2 * r] * 256.0 + acc1[t][:, 2 * r + 1]
+                            val = (v.double() / 2 ** (2 * i + r) + ab.double()) * sq[q.clamp(max=g - 1)].double()
+                            for lane in range(32):
+                                if q[lane] < g:
+                                    part[bi, h * g + q[lane], blk, ch[lane]] = float(val[lane])
+    return part, top_max
+
+
+@pytest.mark.parametrize("d,hq,hk,pair", [(128, 8, 2, False), (64, 6, 2, False), (128, 8, 2, True)])
+def test_int8_value_stage_emulated(d: int, hq: int, hk: int, pair: bool) -> None:
+    """The int8 Value stage (``value_bits="int8"``; GPU only: inline PTX), emulated lane by lane over the
+    same step's depth-sorted list, logits and split statistics, writes the FMA Value stage's partial
+    sums to float32 accuracy (each product resolves to 2^-22 of its block's largest): the per-block
+    scale, the three bytes of Y in their n-tiles and columns, the in-place bits of each M-tile, the
+    constant term and the store mapping are right, with plane pairs too."""
+    codec, cache, q = _linear_cache(hq, hk, 90 + d, [300, 97], d)
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.75))
+    plan = reader.plan(2, 300, "cpu", block_tokens=128)
+    plan.vsort = True
+    reader.decode(q, cache, 0, plan=plan)
+    pt = cache.page_table.to(torch.int32)
+    emu, top_max = _emulate_value_imma(reader, plan, cache.v_pool[0], pt, pair)
+    assert top_max >= 32  # Y's top byte carries its high bits (|Y| up to 2^22)
+    for b, t in enumerate([300, 97]):
+        nb = -(-t // 128)
+        torch.testing.assert_close(emu[b, :, :nb], plan.part[b, :, :nb], rtol=2e-5, atol=2e-6)
+    assert float(plan.part[:, :, :1].abs().max()) > 0.01  # the partial sums are not trivially zero
