@@ -162,15 +162,17 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             hgp = 1 << max(0, (hg - 1).bit_length())
             kspk = 1 << max(0, (ks_k - 1).bit_length())
             kspv = 1 << max(0, (ks_v - 1).bit_length())
-            for korder in (0, 1):  # the Key channel list by depth segments / in channel order
+            # the Key channel list by depth segments / in channel order; lambda by bisection / radix passes
+            for korder, radix in ((0, False), (1, False), (1, True)):
                 if want(K._prep):
                     compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16",
                                               wlo_ptr="*fp16", wf_ptr=PI, base_ptr=PI, kdep_ptr=P32, kord_ptr=P32,
                                               kcnt_ptr=P32, hist_ptr=P32, count_k="i32", rhist_ptr=P32,
                                               ihist_ptr=P32),
                                 dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
-                                     RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed, KORDER=korder),
-                                num_warps=4, sass_dir=sd, tag=f"{t}-k{korder}")
+                                     RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed, KORDER=korder,
+                                     RADIX=radix),
+                                num_warps=8, sass_dir=sd, tag=f"{t}-k{korder}" + ("-radix" if radix else ""))
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
                                                wlo_ptr="*fp16", base_ptr=PI, tab_ptr=P32, spread_ptr="*i64",
@@ -225,10 +227,12 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                 dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, RHIST=1, **vc),
                                 num_warps=nw, sass_dir=sd, tag=f"{t}p1")
                 compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
-                if want(K._value_ties):
+                for gate in (False, True) if want(K._value_ties) else ():  # gated: the two-pass allocation's
                     compile_one(K._value_ties, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
-                                                    TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32"),
-                                dict(USE_RATE=True, HKV=hk, HG=hg, **vc), num_warps=nw, sass_dir=sd, tag=t)
+                                                    TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32",
+                                                    **({"cmeta_ptr": P32} if gate else {})),
+                                dict(USE_RATE=True, HKV=hk, HG=hg, TIE_GATE=gate, **vc), num_warps=nw, sass_dir=sd,
+                                tag=t + ("-gated" if gate else ""))
             if not fixed and want(K._value_stage_c):
                 compile_one(K._value_stage_c, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
                                                    sstat_ptr=PI, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
@@ -245,13 +249,16 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                  GATED=True),
                             num_warps=1, sass_dir=sd, tag=t)
             if not fixed and want(K._value_order):
-                for sort in ((False, True) if name == "flex" else (False,)):  # depth-sorted: bit-product Values
+                # depth-sorted (bit-product Values): slots by chunks (the default) and block-wide
+                for sort, chunked in (((False, True), (True, True), (True, False)) if name == "flex"
+                                      else ((False, True),)):
                     compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
                                                      vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32, TMAX="i32",
                                                      RATE="fp64", BK="i32", BV_FIXED="i32"),
                                 dict(USE_RATE=True, HKV=hk, HG=hg, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()),
-                                     SORT=sort, **vc),
-                                num_warps=nw, sass_dir=sd, tag=t + ("-sort" if sort else ""))
+                                     SORT=sort, CHUNKED=chunked, **vc),
+                                num_warps=nw, sass_dir=sd,
+                                tag=t + ("-sort" if sort else "") + ("" if chunked or not sort else "-block"))
             if want(K._value_stage_f):
                 for compact in ((False,) if fixed else (True, False)):
                     compile_one(K._value_stage_f, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI,

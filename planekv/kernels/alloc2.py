@@ -15,7 +15,10 @@ of 4 bits. Here (docs/KERNEL_NOTES.md, runs 33-34):
   _v_exact                grid (groups,)     lambda and the ties still to take, from the candidates,
                                              written where the radix select leaves them; a group
                                              whose candidates overflowed is flagged instead, and the
-                                             radix passes (GATED) run for it alone
+                                             radix passes (GATED) run for it alone; where every
+                                             key at lambda is taken, lambda - 1 (none left to take),
+                                             so that the tie counts (_value_ties, TIE_GATE) are
+                                             needed only where some keys at lambda are not taken
 
 Downstream kernels (ties, compaction, Value stage) read lambda as before. The result is the radix
 select's: both rank the same float32 keys.
@@ -145,6 +148,7 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
     n_cand = _load_scalar(meta + 2)
     over = (n_cand > CAP) & (count > 0)
     tl.store(meta + 4, over.to(tl.int32))
+    tl.store(meta + 5, over.to(tl.int32))  # the keys at lambda need ranks (_value_ties runs for the group)
     if (count > 0) & (n_cand <= CAP):
         need = count - _load_scalar(meta + 3)
         # the candidates in chunks of CH (L1-resident after the first step): work in proportion to
@@ -165,10 +169,18 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
             z = tl.where(ok, z, mid - 1)
         lam = a
         n_gt = lam * 0
+        n_eq = lam * 0
         for c0 in range(0, n_cand, CH):
             keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
             n_gt += tl.sum((keys > lam).to(tl.int32), 0)
+            n_eq += tl.sum((keys == lam).to(tl.int32), 0)
         left = need - n_gt
+        rank = left < n_eq  # only some of the keys at lambda are taken: they need their ranks
+        # every key at lambda taken: lambda - 1 with none left to take selects the same keys (keys >= 0;
+        # none of those at lambda - 1 is taken), and no tie counts are needed
+        lam = tl.where(rank, lam, lam - 1)
+        left = tl.where(rank, left, 0)
         hb = hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1)
         tl.store(hb, lam)
         tl.store(hb + 1, left)
+        tl.store(meta + 5, rank.to(tl.int32))

@@ -301,7 +301,8 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
               k_share: float | None = None, seed: int = 0, num_warps: int = 4, assembly: str | None = None,
               compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None, value_alloc: str | None = None,
-              timeline: bool = False, alloc_warps: int = 8, codebook: str = "gaussian-lloyd-tree") -> list[Row]:
+              timeline: bool = False, alloc_warps: int | None = None,
+              codebook: str = "gaussian-lloyd-tree") -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -348,7 +349,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
          scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str | None = None,
          compact_values: bool | None = None, pages_per_program: int | None = None,
-         value_alloc: str | None = None, timeline: bool = False, alloc_warps: int = 8) -> Row:
+         value_alloc: str | None = None, timeline: bool = False, alloc_warps: int | None = None) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}

@@ -61,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--compact", choices=("auto", "on", "off"), default="auto",
                    help="Value stage over the depth > 0 tokens sorted by depth (on), every 32-token tile (off), "
                         "or the reader's measured choice (auto)")
-    a.add_argument("--alloc-warps", type=int, default=8, choices=(1, 2, 4, 8, 16),
-                   help="warps per program of the Value allocation's per-block kernels")
+    a.add_argument("--alloc-warps", type=int, default=None, choices=(1, 2, 4, 8, 16),
+                   help="warps per program of the Value allocation's per-block kernels (default: by step size)")
     a.add_argument("--timeline", action="store_true",
                    help="also profile one graph replay per system: GPU time per kernel (torch.profiler)")
     a.add_argument("--no-check", action="store_true", help="skip the full-size check against the reference")

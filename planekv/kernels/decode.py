@@ -205,13 +205,37 @@ def _split16(x):
 
 
 @triton.jit
+def _kth_largest(keys, count):
+    """The count-th largest of the keys >= 0 (31-bit patterns; negative ones are padding), 1 <= count <=
+    their number: NPASS radix passes of RBITS bits, each a histogram of the keys that match the digits
+    chosen so far (the masked keys counted in an upper half of bins that is never read: no mask beside
+    the values, see :func:`_pass_hist`) and the digit that holds the count-th key."""
+    ok = keys >= 0
+    pref = count * 0
+    rem = tl.maximum(count, 1)
+    idx = tl.arange(0, 2 * NBINS)
+    for pas in tl.static_range(1, NPASS + 1):
+        above, digit = _radix_digit(keys, pas)
+        h = tl.histogram(tl.where(ok & (above == pref), digit, NBINS), 2 * NBINS)
+        h = tl.where(idx < NBINS, h, 0)
+        ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # keys of this digit or a larger one
+        dsel = tl.max(tl.where(ge >= rem, idx, -1), 0)
+        rem -= tl.sum(tl.where(idx > dsel, h, 0), 0)
+        pref = (pref << min(RBITS, 31 - RBITS * (pas - 1))) | dsel
+    return pref
+
+
+@triton.jit
 def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kdep_ptr, kord_ptr, kcnt_ptr, hist_ptr,
           count_k,
           rhist_ptr, ihist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
           D: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr,
-          RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr):
+          RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr, RADIX: tl.constexpr = False):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
-    refinement (RHW > 0 words of refinement histograms per group) those start at zero too."""
+    refinement (RHW > 0 words of refinement histograms per group) those start at zero too. The Key
+    allocation's lambda (the count-th largest key) by a bisection over its 31 bits, or with RADIX by
+    the 8 radix passes of :func:`_kth_largest` (the same lambda: 8 dependent histograms instead of 32
+    dependent counts)."""
     pid = tl.program_id(0)
     n_groups_b: tl.constexpr = HKV // HG
     b = pid // n_groups_b
@@ -247,11 +271,14 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     lo = tl.zeros([], dtype=tl.int32) - 1
     hi = tl.zeros([], dtype=tl.int32) + 0x7F800000
     keyf = tl.reshape(key, [KS_PAD * N])  # one reduction per step, not one per axis
-    for _ in range(32):
-        live = hi - lo > 1
-        mid = lo + (hi - lo) // 2
-        less = tl.sum((keyf > mid).to(tl.int32), 0) < count_k
-        hi, lo = tl.where(live & less, mid, hi), tl.where(live & ~less, mid, lo)
+    if RADIX:
+        hi = _kth_largest(keyf, count_k)
+    else:
+        for _ in range(32):
+            live = hi - lo > 1
+            mid = lo + (hi - lo) // 2
+            less = tl.sum((keyf > mid).to(tl.int32), 0) < count_k
+            hi, lo = tl.where(live & less, mid, hi), tl.where(live & ~less, mid, lo)
     lam = tl.where(count_k > 0, hi, 0x7FFFFFFF)
     strict = key > lam
     need = count_k - tl.sum(tl.sum(strict.to(tl.int32), 1), 0)
@@ -901,9 +928,15 @@ def _pass_hist(bimp, ok, prefix, r_ptr, dst, PASS: tl.constexpr, KS: tl.constexp
 @triton.jit
 def _value_ties(vimp_ptr, len_ptr, r_ptr, hist_ptr, tie_ptr, TMAX, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr,
                 HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
-                KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
-    """Keys equal to lambda in this block, per step: tie[group, hl * NBLK + blk, k]."""
+                KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+                TIE_GATE: tl.constexpr = False, cmeta_ptr=None):
+    """Keys equal to lambda in this block, per step: tie[group, hl * NBLK + blk, k]. TIE_GATE (the
+    two-pass allocation): only in groups whose keys at lambda need ranks (``cmeta`` word 5, set by
+    ``_v_exact``); elsewhere nobody reads the counts."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
+    if TIE_GATE:
+        if _load_scalar(cmeta_ptr + grp * CMETA + 5) == 0:
+            return
     NBLK = tl.num_programs(1)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     lam = _load_scalar(hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1))
@@ -1241,14 +1274,59 @@ def _depth_sorted_slots(s, W: tl.constexpr):
 
 
 @triton.jit
+def _spread16(x):
+    """The four bytes of an int64 ``x`` (< 2^32) moved to 16-bit fields: byte k to bits 16k..16k+7."""
+    return (x & 0xFF) | ((x & 0xFF00) << 8) | ((x & 0xFF0000) << 16) | ((x & 0xFF000000) << 24)
+
+
+@triton.jit
+def _suffix16(x):
+    """For four 16-bit fields f1..f4 of ``x`` (f1 lowest): field s holds f_{s+1} + .. + f4."""
+    return (x >> 16) + (x >> 32) + (x >> 48)
+
+
+@triton.jit
+def _depth_sorted_slots_chunked(s, W: tl.constexpr, BLK: tl.constexpr):
+    """:func:`_depth_sorted_slots` (the same slots) from ONE prefix sum per token instead of two block-wide
+    ones: the block as [BLK / CH, CH] chunks, each chunk's running counts of depths 1..8 as the eight
+    bytes of one int64 (a chunk holds <= 128 tokens, so a byte never carries) scanned along the chunk,
+    then per chunk a base = (tokens of greater depth in the block) + (tokens of equal depth in earlier
+    chunks), kept as two int64 of four 16-bit fields (depths 1-4, 5-8; a block holds <= 2048 tokens)
+    and picked per token by two selects and a shift. The chunk axis is small ([BLK / CH] values)."""
+    tl.static_assert(W <= 8, "eight byte counters in one int64")
+    CH: tl.constexpr = min(BLK, 128)
+    R: tl.constexpr = BLK // CH
+    s2 = tl.reshape(s, [R, CH])
+    act = s2 > 0
+    sh8 = (8 * ((s2 - 1) & 7)).to(tl.int64)
+    one = tl.where(act, tl.full([R, CH], 1, tl.int64) << sh8, 0)
+    rank = ((tl.cumsum(one, 1) >> sh8) & 0xFF).to(tl.int32) - 1  # among the chunk's tokens of its depth
+    tot = tl.sum(one, 1)  # [R]: the chunk's counts of depths 1..8, one byte each
+    tot_lo = _spread16(tot & 0xFFFFFFFF)  # depths 1-4 as 16-bit fields
+    tot_hi = _spread16((tot >> 32) & 0xFFFFFFFF)  # depths 5-8
+    pre_lo = tl.cumsum(tot_lo, 0) - tot_lo  # equal depths in earlier chunks
+    pre_hi = tl.cumsum(tot_hi, 0) - tot_hi
+    all_lo = tl.sum(tot_lo, 0)
+    all_hi = tl.sum(tot_hi, 0)
+    n_hi = ((all_hi * 0x0001000100010001) >> 48) & 0xFFFF  # tokens of depths 5-8
+    base_lo = pre_lo + _suffix16(all_lo) + n_hi * 0x0001000100010001
+    base_hi = pre_hi + _suffix16(all_hi)
+    word = tl.where(s2 <= 4, base_lo[:, None], base_hi[:, None])
+    base = ((word >> (16 * ((s2 - 1) & 3)).to(tl.int64)) & 0xFFFF).to(tl.int32)
+    return tl.reshape(base + rank, [BLK])
+
+
+@triton.jit
 def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr, vcnt_ptr, TMAX, RATE, BK, BV_FIXED,
                  USE_RATE: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, SORT: tl.constexpr = False):
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, SORT: tl.constexpr = False,
+                 CHUNKED: tl.constexpr = True):
     """Token depths of a block (as in :func:`_value_stage_c`) and the list of its depth > 0 tokens
     (``vord``: (W - depth) << 11 | position in the block; ``vcnt``: how many), for the compacting
     Value stages: in position order, or with SORT deepest first (position order within a depth; the
-    bit-product Value stage, whose steps of 16 tokens loop over their deepest token's planes). A
+    bit-product Value stage, whose steps of 16 tokens loop over their deepest token's planes; CHUNKED:
+    the slots from one prefix sum along 128-token chunks, else two block-wide ones, the same slots). A
     kernel of its own: the depths' tie ranks over the whole block need many registers, which would
     otherwise cap the occupancy of the Value stage's loop."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
@@ -1256,7 +1334,9 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
     lp, s = _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl, blk, NBLK, T, TMAX, RATE,
                           BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS, KS_PAD, NT_PAD, BLK)
     act = s > 0
-    if SORT:
+    if SORT and CHUNKED:
+        slot = _depth_sorted_slots_chunked(s, W, BLK)
+    elif SORT:
         slot = _depth_sorted_slots(s, W)
     else:
         # stream compaction in position order (a prefix sum, no sort: in the FMA stage each thread

@@ -212,7 +212,7 @@ class TritonReader:
 
     def __init__(self, codec: Codec, policy: ReadPolicy | None = None, num_warps: int = 4,
                  fixed_depth: int = 0, assembly: str | None = None, compact_values: bool | None = None,
-                 value_alloc: str | None = None, cand_cap: int | None = None, alloc_warps: int = 8,
+                 value_alloc: str | None = None, cand_cap: int | None = None, alloc_warps: int | None = None,
                  key_loop: int | None = None) -> None:
         if assembly is None:  # the FMA stages, which hold one accumulator per query head of a group (<= 8)
             assembly = "fma" if codec.spec.group_size <= 8 else "transpose"
@@ -242,12 +242,15 @@ class TritonReader:
         if spec.page_size % 32:
             raise ValueError("page size must be a multiple of 32")
         self.num_warps = num_warps
-        if alloc_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"alloc_warps must be a power of two in 1..16, got {alloc_warps}")
+        if alloc_warps not in (None, 1, 2, 4, 8, 16):
+            raise ValueError(f"alloc_warps must be None or a power of two in 1..16, got {alloc_warps}")
         # warps of the per-block Value allocation kernels (importance, candidates, radix passes,
-        # compaction): 1024-token blocks, so 8 warps hold 4 tokens per thread (KERNEL_NOTES run 35)
+        # compaction) over 1024-token blocks; None: by step size (_alloc_warps)
         self.alloc_warps = alloc_warps
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
+        # the Key allocation's lambda in _prep: 1 by 8 radix passes (histograms), 0 by a 32-step bisection,
+        # None by the group's key count (_prep_radix)
+        self.prep_radix: int | None = None
         # each radix pass's selection run by the group's last program of the pass (no _radix_select
         # launches: 8 fewer per step; KERNEL_NOTES run 39)
         self.fused_select = True
@@ -262,6 +265,12 @@ class TritonReader:
         # half, not added), 0 one per step of 1-D keys; both exact on the GPU, 1 faster (KERNEL_NOTES
         # run 41: B=1 T=8192 passes 29.7 -> 25.1 us, pass 1 8.3 -> 5.6 us)
         self.radix_hist = 1
+        # the depth-sorted Value list's slots (_value_order SORT): 1 one int64 prefix sum of byte counters
+        # along 128-token chunks, 0 two block-wide prefix sums of 16-bit counters; the same slots
+        self.order_chunked = 1
+        # the two-pass allocation's tie counts only in groups where some keys at lambda are not taken
+        # (elsewhere _v_exact moves lambda to lambda - 1 with none left to take: the same depths)
+        self.tie_gate = 1
         # the Key stage as a product of plane bits for codebooks linear in the planes (planekv.kernels.
         # linear; KERNEL_NOTES run 46): on CUDA devices (inline PTX) with the FMA stages, 64-token pages,
         # up to 4 query heads per KV head; "auto" where it measured faster, True
@@ -512,6 +521,27 @@ class TritonReader:
             return self.key_loop
         return 0 if self.fixed_depth or tokens < 1 << 18 else 1
 
+    def _prep_radix(self) -> bool:
+        """Whether ``_prep`` finds the Key allocation's lambda by radix passes (``prep_radix``; None =
+        measured choice, KERNEL_NOTES run 73): 8 histograms cost more than 32 bisection steps over the
+        8192 keys of a group of 8 KV heads at d=128 (B=32 T=32768: 24 -> 48 us; B=1: 23 -> 31) and less
+        over groups of <= 2048 keys (d=256 with one KV head 12.1 -> 10.1 us; SmolLM2's 3 KV heads at d=64
+        13.0 -> 10.7)."""
+        if self.prep_radix is not None:
+            return bool(self.prep_radix)
+        return self.kspad_k * next_pow2(self.hg) * self.codec.spec.head_dim <= 2048
+
+    def _alloc_warps(self, tokens: int) -> int:
+        """Warps of the per-block Value allocation kernels for a plan of ``tokens`` (sequence, KV head,
+        position) triples (``alloc_warps``; None = measured choice): 8 (4 tokens per thread) below 2^22
+        triples, 4 (8 tokens per thread: fewer instructions per token in the block-wide sums and prefix
+        sums) from there; KERNEL_NOTES run 72: B=32 T=32768 importance 110 -> 96 us, depth-sorted order
+        71 -> 60, candidates 50 -> 48, gated passes 18 -> 15; B=1 T=8192 (65k) and d=256 (1M) no clear
+        change."""
+        if self.alloc_warps is not None:
+            return self.alloc_warps
+        return 4 if tokens >= 1 << 22 else 8
+
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
         Value allocation. None = measured choice (docs/KERNEL_NOTES.md runs 34-36): faster at B=32
@@ -588,7 +618,7 @@ class TritonReader:
                       PACKET=pol.v_packet)
         mu_k, sig_k = c["mu_k"][layer], c["sig_k"][layer]
         mu_v, sig_v = c["mu_v"][layer], c["sig_v"][layer]
-        nw, aw = self.num_warps, self.alloc_warps
+        nw, aw = self.num_warps, self._alloc_warps(b * hk * tmax)
 
         mark("start")
         plan.qbuf.copy_(q)
@@ -598,7 +628,7 @@ class TritonReader:
                          plan.kcnt, plan.hist, self.count_k, plan.rhist, plan.ihist, HQ=hq, HKV=hk, HG=self.hg, G=g,
                          D=d, KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
                          RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
-                         KORDER=plan.key_loop, num_warps=self.prep_warps)
+                         KORDER=plan.key_loop, RADIX=self._prep_radix(), num_warps=self.prep_warps)
         mark("prep")
         if plan.key_mma and plan.key_int8 != (self._bits("key_bits") < 0):
             raise ValueError(f"the plan was made for another key_bits than {self.key_bits!r}; plan again")
@@ -672,14 +702,17 @@ class TritonReader:
                     _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=pas,
                                              GATED=tp, **gsel, num_warps=1)
                 mark(f"value_radix{pas}")
+            gate = tp and bool(self.tie_gate)
             _value_ties[grid](plan.vimp, lengths, c["rv"], plan.hist, plan.ties, tmax, rate, self.bk, bv_fixed,
-                              USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, num_warps=nw)
+                              USE_RATE=use_rate, HKV=hk, HG=self.hg, **vconst, TIE_GATE=gate,
+                              cmeta_ptr=plan.cmeta if gate else None, num_warps=nw)
             mark("value_ties")
         if self.assembly == "fma":
             if self.compact_values:
                 _value_order[grid](lengths, plan.vimp, c["rv"], plan.hist, plan.ties, plan.vdep, plan.vord, plan.vcnt,
                                    tmax, rate, self.bk, bv_fixed, USE_RATE=use_rate, HKV=hk, HG=self.hg,
-                                   NT_PAD=next_pow2(self.hg * nblk), SORT=plan.vsort, **vconst, num_warps=aw)
+                                   NT_PAD=next_pow2(self.hg * nblk), SORT=plan.vsort, CHUNKED=bool(self.order_chunked),
+                                   **vconst, num_warps=aw)
                 mark("value_order")
         if plan.value_mma and self._bits("value_bits") < 0:
             ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split

@@ -50,8 +50,9 @@ def test_two_pass_bracket_holds_lambda_with_few_candidates() -> None:
     reader = TritonReader(codec, policy, value_alloc="two-pass")
     plan = reader.plan(1, 1000, "cpu")
     reader.decode(q, cache, 0, plan=plan)
-    lo, hi, n_cand, n_above, over = plan.cmeta[0, :5].tolist()
+    lo, hi, n_cand, n_above, over, ranked = plan.cmeta[0, :6].tolist()
     lam = int(plan.hist[0, 128 + 2 * 7])  # where the radix select leaves lambda (SELBASE + 2 (NPASS - 1))
+    lam += 1 - ranked  # where every key at lambda is taken, lambda - 1 is stored (none left to take)
     n_keys = reader.ks_v * cache.spec.n_kv_heads * 1000
     assert over == 0 and lo < lam <= hi
     assert 0 < n_cand < 0.1 * n_keys and n_above >= 0
@@ -62,6 +63,15 @@ def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
     auto = TritonReader(codec, ReadPolicy.flexible(2.0))
     assert not auto.plan(1, 4096, "cpu").two_pass and auto.plan(256, 8192, "cpu").two_pass  # from 2^19 triples
     assert TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="two-pass").plan(1, 64, "cpu").two_pass
+    # the per-block allocation kernels: 8 warps, 4 from 2^22 triples; _prep's radix passes for small groups
+    assert auto._alloc_warps(32 * 8 * 32768) == 4 and auto._alloc_warps(8 * 8192) == 8
+    assert TritonReader(codec, ReadPolicy.flexible(2.0), alloc_warps=8)._alloc_warps(1 << 24) == 8
+    assert auto._prep_radix()  # 2 KV heads x d=64 x 8 steps: 1024 keys per group
+    big = _setup(seed=1, lengths=[64], hq=16, hk=8, d=128)[0]
+    assert not TritonReader(big, ReadPolicy.flexible(2.0))._prep_radix()  # 8 heads x 128 x 8: 8192 keys
+    assert TritonReader(big, ReadPolicy.constrained(2.0))._prep_radix()  # one head per group: 1024 keys
+    with pytest.raises(ValueError, match="alloc_warps"):
+        TritonReader(codec, ReadPolicy.flexible(2.0), alloc_warps=3)
     with pytest.raises(ValueError, match="value_alloc"):
         TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="sort")
     with pytest.raises(ValueError, match="cand_cap"):
@@ -134,3 +144,53 @@ def test_radix_histogram_variants_agree(name: str) -> None:
         got.append((plan.hist[:, :144].clone(), out.clone()))
     assert int(got[0][0][:, :16].sum()) > 0  # pass 1 counted keys
     assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][1], got[0][1])
+
+
+@pytest.mark.parametrize("gate", [0, 1])
+def test_tie_counts_only_where_keys_at_lambda_need_ranks(gate: int) -> None:
+    """``_v_exact`` stores lambda - 1 with none left to take where every key at lambda is taken (the
+    same depths), and ``tie_gate`` then skips the tie counts of those groups: their tie buffer is left
+    as it was (poisoned here) and the depths and output equal the ungated run's and the reference's.
+    With peaked queries many importances are exactly 0 and a budget past the positive gains puts
+    lambda on those ties: that group still counts and ranks them."""
+    codec, cache, q = _setup(seed=23, lengths=[150, 97])
+    for policy, peaked in ((ReadPolicy.flexible(2.0, 0.875), False),
+                           (ReadPolicy(rate=None, budget_k=256, budget_v=101, pool_heads=True), True)):
+        qq = q * 300.0 if peaked else q
+        ref, rst = readkv_decode(qq, cache, 0, codec, policy)
+        reader = TritonReader(codec, policy, value_alloc="two-pass")
+        reader.tie_gate = gate
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        plan.ties.fill_(-7)
+        out, st = reader.decode(qq, cache, 0, plan=plan)
+        ranked = plan.cmeta[:, 5].bool()
+        assert bool(ranked.any()) == peaked  # lambda on many equal keys, only some of them taken
+        skipped = (plan.ties.view(plan.ties.shape[0], -1) == -7).all(1)
+        assert torch.equal(skipped, ~ranked if gate else torch.zeros_like(ranked))
+        for b, t in enumerate([150, 97]):
+            assert_same_depths(st.v_depths[b, :, :t], rst.extra["v_depths"][b], policy.v_packet)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2", "explicit-budgets", "full-key-budget"])
+def test_key_lambda_by_radix_passes_equals_the_bisection(name: str) -> None:
+    """``prep_radix``: the Key allocation's lambda from 8 radix passes in ``_prep`` gives the 32-step
+    bisection's channel depths, channel lists and output, for pooled and per-head groups, with the
+    query heads of one KV head zeroed (its channels' importances, and so its keys, all 0: lambda on
+    those ties, taken in part), and with a budget that takes every key."""
+    policy = (ReadPolicy(rate=None, budget_k=10_000, budget_v=100, pool_heads=True) if name == "full-key-budget"
+              else POLICIES[name])
+    codec, cache, q = _setup(seed=41 + len(name), lengths=[150, 97])
+    q = q.clone()
+    q[0, :2] = 0.0  # sequence 0, KV head 0 (query heads 0, 1): every key of its channels is 0
+    got = []
+    for radix in (0, 1):
+        reader = TritonReader(codec, policy)
+        reader.prep_radix = radix
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        got.append((st.k_depths.clone(), plan.kcnt.clone(), out.clone()))
+    assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][1], got[0][1])
+    assert torch.equal(got[1][2], got[0][2])
+    assert int(got[0][0].sum()) > 0

@@ -34,7 +34,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     recs = json.loads(out.read_text())
     assert KERNELS <= {r["kernel"].split("[")[0] for r in recs}
-    # 3 variants x (prep by depth segments, prep in channel order, value stage)
+    # 3 variants x (prep by depth segments, prep in channel order, prep with radix passes, value stage)
     # + 2 x 5 key stages (MMA serial, MMA transposing, FMA by segments, FMA in channel order, FMA by
     #   segments 4 channels at a time)
     # + 2 compacting value stages
@@ -45,8 +45,9 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     # + the bit-product Key stage (linear codebooks): its operand kernel and the stage, fp16 and int8
     # + the bit-product Value stage and the depth-sorted value order (flexible) it reads
     # + the int8 Value stage, planes one and two at a time
+    # + the depth-sorted order's block-wide slots, the gated tie counts (both readers)
     n_radix = NPASS.value - 1
-    assert len(recs) == (3 * 3 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5 + 2
-                         + 2 + 2 + 2)
+    assert len(recs) == (3 * 4 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5 + 2
+                         + 2 + 2 + 2 + 1 + 2)
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

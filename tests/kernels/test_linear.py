@@ -465,6 +465,37 @@ def test_a_plan_runs_only_with_the_key_bits_it_was_made_for() -> None:
         reader.decode(q, cache, 0, plan=plan)
 
 
+@pytest.mark.parametrize("rate,blk", [(2.0, 512), (4.0, 256)])
+def test_chunked_depth_order_equals_the_block_wide_one(rate: float, blk: int) -> None:
+    """``order_chunked`` (the depth-sorted list's slots from one prefix sum along 128-token chunks) writes
+    the list of the two block-wide prefix sums entry for entry, over blocks of several chunks with mixed
+    depths (and a block that ends mid-chunk): deepest first, position order within a depth."""
+    codec, cache, q = _linear_cache(4, 2, 77, [1100, 300], 64)
+    got = []
+    for chunked in (0, 1):
+        reader = TritonReader(codec, ReadPolicy.flexible(rate, 0.75))
+        reader.order_chunked = chunked
+        plan = reader.plan(2, 1100, "cpu", block_tokens=blk)
+        plan.vsort = True
+        plan.vord.fill_(-1)
+        _, st = reader.decode(q, cache, 0, plan=plan)
+        got.append((plan.vord.clone(), plan.vcnt.clone(), st.v_depths))
+    (o0, c0, d0), (o1, c1, d1) = got
+    assert torch.equal(c1, c0) and torch.equal(d1, d0)
+    n_multi = 0
+    for b, t in enumerate([1100, 300]):
+        for h in range(2):
+            for k in range(-(-t // blk)):
+                n = int(c1[b, h, k])
+                assert torch.equal(o1[b, h, k * blk: k * blk + n], o0[b, h, k * blk: k * blk + n])
+                keys = o1[b, h, k * blk: k * blk + n].long()
+                order = sorted(range(n), key=lambda i: (int(keys[i] >> 11), int(keys[i] & 2047)))
+                assert order == list(range(n))  # (W - depth) ascending, then position
+                pos = keys & 2047
+                n_multi += int((pos >= 128).any() and (pos < 128).any() and (keys >> 11).unique().numel() > 2)
+    assert n_multi > 0  # lists that span chunks with several depths were checked
+
+
 def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: torch.Tensor, pair: bool
                         ) -> tuple[torch.Tensor, int]:
     """What ``_value_stage_imma`` writes to ``part``, lane by lane in torch: the block's scale from the
