@@ -261,6 +261,11 @@ class TritonReader:
         # the block first, one atomic add per non-empty bin (0: one atomic add per token). 256 measured
         # best of 0 / 128 / 256 (KERNEL_NOTES run 39: B=32 T=32768 134 -> 101 us)
         self.hist_window = 256
+        # warps of the two-pass allocation's per-group kernels (one program per group): _v_bracket 8 where
+        # a group pools several KV heads' histograms, else 4 (None; KERNEL_NOTES run 78: B=32 T=32768
+        # 17.0 -> 14.3 us, SmolLM2 10.8 -> 10.3; one head (d=256) 8.8 -> 9.3), _v_exact 8 (4 and 16 slower)
+        self.bracket_warps: int | None = None
+        self.exact_warps = 8
         # radix-pass histograms: 1 one of 2 x NBINS bins over all steps' keys (masked keys in the upper
         # half, not added), 0 one per step of 1-D keys; both exact on the GPU, 1 faster (KERNEL_NOTES
         # run 41: B=1 T=8192 passes 29.7 -> 25.1 us, pass 1 8.3 -> 5.6 us)
@@ -684,11 +689,12 @@ class TritonReader:
             if tp:  # lambda from the bracket and its candidates; radix passes only where they overflow
                 cap = plan.cand.shape[1]
                 _v_bracket[(groups,)](plan.ihist, lengths, c["rv"], plan.cmeta, rate, self.bk, bv_fixed,
-                                      KS_PAD=self.kspad_v, **gsel, num_warps=4)
+                                      KS_PAD=self.kspad_v, **gsel,
+                                      num_warps=self.bracket_warps or (8 if self.hg > 1 else 4))
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
                               BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=aw)
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
-                                    **gsel, num_warps=8)
+                                    **gsel, num_warps=self.exact_warps)
                 mark("value_two_pass")
             if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
