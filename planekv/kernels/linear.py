@@ -273,16 +273,9 @@ def _pack4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, TILE: tl.constexpr):
-    if TILE == 0:
-        asm: tl.constexpr = _IMMA_T0
-    elif TILE == 1:
-        asm: tl.constexpr = _IMMA_T1
-    elif TILE == 2:
-        asm: tl.constexpr = _IMMA_T2
-    else:
-        asm: tl.constexpr = _IMMA_T3
-    return tl.inline_asm_elementwise(asm, _IMMA_CONS, [x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7],
+def _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, ASM: tl.constexpr):
+    """One M-tile's two MMAs (``ASM``: its PTX, :func:`_imma_tile_asm`)."""
+    return tl.inline_asm_elementwise(ASM, _IMMA_CONS, [x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7],
                                      dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
@@ -383,12 +376,13 @@ def _split_stats(l0, l1, l2, l3, l4, l5, l6, l7, q, mstat_ptr, sstat_ptr, q0, sp
 def _imma_step(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16,
                c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31):
     """One K step (32 pairs) of the four M-tiles (8 accumulators each: n-tile 0 then n-tile 1)."""
-    c0, c1, c2, c3, c4, c5, c6, c7 = _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, 0)
-    c8, c9, c10, c11, c12, c13, c14, c15 = _imma_tile(x, y, v0, v1, v2, v3, c8, c9, c10, c11, c12, c13, c14, c15, 1)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, _IMMA_T0)
+    c8, c9, c10, c11, c12, c13, c14, c15 = _imma_tile(x, y, v0, v1, v2, v3, c8, c9, c10, c11, c12, c13, c14, c15,
+                                                      _IMMA_T1)
     c16, c17, c18, c19, c20, c21, c22, c23 = _imma_tile(x, y, v0, v1, v2, v3, c16, c17, c18, c19, c20, c21, c22,
-                                                        c23, 2)
+                                                        c23, _IMMA_T2)
     c24, c25, c26, c27, c28, c29, c30, c31 = _imma_tile(x, y, v0, v1, v2, v3, c24, c25, c26, c27, c28, c29, c30,
-                                                        c31, 3)
+                                                        c31, _IMMA_T3)
     return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
             c23, c24, c25, c26, c27, c28, c29, c30, c31)
 
@@ -781,16 +775,9 @@ def _vb4(f0, f1, f2, f3, sel, msk):
 
 
 @triton.jit
-def _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, TILE: tl.constexpr):
-    if TILE == 0:
-        asm: tl.constexpr = _VIMMA_T0
-    elif TILE == 1:
-        asm: tl.constexpr = _VIMMA_T1
-    elif TILE == 2:
-        asm: tl.constexpr = _VIMMA_T2
-    else:
-        asm: tl.constexpr = _VIMMA_T3
-    return tl.inline_asm_elementwise(asm, _VIMMA_CONS, [x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5],
+def _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, ASM: tl.constexpr):
+    """One M-tile's two MMAs (``ASM``: its PTX, :func:`_vimma_tile_asm`)."""
+    return tl.inline_asm_elementwise(ASM, _VIMMA_CONS, [x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5],
                                      dtype=(tl.int32,) * 6, is_pure=True, pack=1)
 
 
@@ -798,10 +785,10 @@ def _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, TILE: tl.constexpr
 def _vimma_col(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
                c18, c19, c20, c21, c22, c23):
     """The four M-tiles of one byte column (6 live accumulators each)."""
-    c0, c1, c2, c3, c4, c5 = _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, 0)
-    c6, c7, c8, c9, c10, c11 = _vimma_tile(x, y, b0, b1, b2, b3, c6, c7, c8, c9, c10, c11, 1)
-    c12, c13, c14, c15, c16, c17 = _vimma_tile(x, y, b0, b1, b2, b3, c12, c13, c14, c15, c16, c17, 2)
-    c18, c19, c20, c21, c22, c23 = _vimma_tile(x, y, b0, b1, b2, b3, c18, c19, c20, c21, c22, c23, 3)
+    c0, c1, c2, c3, c4, c5 = _vimma_tile(x, y, b0, b1, b2, b3, c0, c1, c2, c3, c4, c5, _VIMMA_T0)
+    c6, c7, c8, c9, c10, c11 = _vimma_tile(x, y, b0, b1, b2, b3, c6, c7, c8, c9, c10, c11, _VIMMA_T1)
+    c12, c13, c14, c15, c16, c17 = _vimma_tile(x, y, b0, b1, b2, b3, c12, c13, c14, c15, c16, c17, _VIMMA_T2)
+    c18, c19, c20, c21, c22, c23 = _vimma_tile(x, y, b0, b1, b2, b3, c18, c19, c20, c21, c22, c23, _VIMMA_T3)
     return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
             c23)
 
