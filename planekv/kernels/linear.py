@@ -279,27 +279,62 @@ def _imma_tile(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, ASM: tl.con
                                      dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
-@triton.jit
-def _imma_offsets(op, s):
-    """A lane's eight byte offsets of K step s (offsets [S, 2 words v, 4 bytes k, 4 lanes q])."""
-    o = op + s * 32
-    return (tl.load(o), tl.load(o + 4), tl.load(o + 8), tl.load(o + 12), tl.load(o + 16), tl.load(o + 20),
-            tl.load(o + 24), tl.load(o + 28))
+# The plane loads of the int8 Key stage: lane 4g + q loads the whole 8-byte word of pair m = g of its
+# group (offsets at off[s, 4 g + q]: list entry 16 v + 4 q + k with g = 4 v + k, the pair whose byte g the
+# lane needs), and the 8 lanes of one q swap bytes in three butterfly stages (lanes ^16, ^8, ^4: blocks of
+# 4, 2, 1 bytes; prmt, shfl, two prmt each, selectors by the lane's bits of g: :func:`xpose_selectors`)
+# until lane g holds byte g of the group's 8 words, as the words x, y. One 8-byte load and 12 instructions
+# per lane and step instead of eight byte loads, their 64-bit addresses, eight offset loads and 6 prmt.
+_XPOSE_STAGE = "prmt.b32 s, {l}, {h}, {s}; shfl.sync.bfly.b32 r, s, {d}, 0x1f, 0xffffffff; " \
+    "prmt.b32 {lo}, {l}, r, {sl}; prmt.b32 {ho}, {h}, r, {sh}; "
+_XPOSE = tl.constexpr(
+    "{ .reg .b32 s, r, l, h; "
+    + _XPOSE_STAGE.format(l="$2", h="$3", s="$4", d=16, lo="l", ho="h", sl="$5", sh="$4")
+    + _XPOSE_STAGE.format(l="l", h="h", s="$6", d=8, lo="l", ho="h", sl="$7", sh="$8")
+    + _XPOSE_STAGE.format(l="l", h="h", s="$9", d=4, lo="$0", ho="$1", sl="$10", sh="$11") + "}")
+
+
+def xpose_selectors(g: int) -> list[int]:
+    """The eight prmt selectors of lane group g's byte transpose (:data:`_XPOSE`: stage A's send (also
+    its new high word) and new low word; stages B and C: send, new low, new high). Mirrored by
+    :func:`_xpose_sel` in the kernel."""
+    g2, g1, g0 = (g >> 2) & 1, (g >> 1) & 1, g & 1
+    sa = 0x3210 if g2 else 0x7654
+    return [sa, sa ^ 0x4444, 0x5410 if g1 else 0x7632, 0x3254 if g1 else 0x5410, 0x3276 if g1 else 0x7610,
+            0x6420 if g0 else 0x7531, 0x3514 if g0 else 0x5240, 0x3716 if g0 else 0x7260]
 
 
 @triton.jit
-def _ld8(ptr):
-    """A byte into the low bits of a 32-bit register (``ld.global.nc.u8``: nothing to zero-extend again
-    when it is carried across a loop step, as tl.load's byte would be)."""
-    return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
-                                     pack=1)
+def _xpose_sel(g):
+    """:func:`xpose_selectors` of each lane's group index g (int32 tensors)."""
+    g2 = (g & 4) != 0
+    g1 = (g & 2) != 0
+    g0 = (g & 1) != 0
+    sa = tl.where(g2, 0x3210, 0x7654)
+    return (sa, sa ^ 0x4444, tl.where(g1, 0x5410, 0x7632), tl.where(g1, 0x3254, 0x5410), tl.where(g1, 0x3276, 0x7610),
+            tl.where(g0, 0x6420, 0x7531), tl.where(g0, 0x3514, 0x5240), tl.where(g0, 0x3716, 0x7260))
 
 
 @triton.jit
-def _imma_raw(pb, o0, o1, o2, o3, o4, o5, o6, o7):
-    """The eight pairs' bytes of the lane's token octet (pairs 4q..4q+3, then 16+4q..16+4q+3), unpacked."""
-    return (_ld8(pb + o0), _ld8(pb + o1), _ld8(pb + o2), _ld8(pb + o3), _ld8(pb + o4), _ld8(pb + o5), _ld8(pb + o6),
-            _ld8(pb + o7))
+def _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7):
+    """(x, y) of the lane from the group's words (lo, hi: octets 0-3 / 4-7 of the lane's own pair word)."""
+    return tl.inline_asm_elementwise(_XPOSE, "=r,=r,r,r,r,r,r,r,r,r,r,r", [lo, hi, s0, s1, s2, s3, s4, s5, s6, s7],
+                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld64(ptr):
+    """The 8-byte word at ptr (8-byte aligned) as two int32 (``ld.global.nc.v2.u32``)."""
+    return tl.inline_asm_elementwise("ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [ptr],
+                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _vwords(p):
+    """A lane's four V digit words of one step (n-tile 0 words 0, 1, n-tile 1 words 0, 1; adjacent), one
+    ``ld.global.nc.v4.u32``."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -394,8 +429,9 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
                     VST: tl.constexpr = False):
     """The bit product on int8 tensor cores (GPU only: inline PTX; ``key_bits="int8"``). As
     :func:`_key_stage_mma` (program (b*Hkv + h, split) of NWARP 64-token pages, one per warp, lane 4g + q
-    reads byte g: tokens 8g..8g+7), but per K step of 32 pairs (:func:`imma_operands`' order) a lane
-    loads the bytes of its pairs 4q..4q+3 and 16+4q..16+4q+3 into two words, and M-tile i's A fragment
+    owns byte g: tokens 8g..8g+7), but per K step of 32 pairs (:func:`imma_operands`' order) a lane
+    holds byte g of its pairs 4q..4q+3 and 16+4q..16+4q+3 as two words (from one pair word per lane and
+    the lane group's byte transpose, :data:`_XPOSE`), and M-tile i's A fragment
     is those words masked to bits 2i / 2i + 1 (one ``and`` per register of four bits: unsigned 2^k per
     set bit); B is V as three int8 digits per query head (n-tile 0: columns 2n / 2n + 1 digits 0 / 1 of
     head n, n-tile 1: column 2n digit 2), so a lane's accumulators again hold its query head's sums of
@@ -403,36 +439,35 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
     tl.static_assert(P == 64, "one 64-token page per warp")
     tl.static_assert(G <= 4, "three digits of up to 4 query heads in two n-tiles")
     pid_bh, split, b, h, T, NSPLIT, w, g, q, pb = _page_lanes(kb_ptr, pt_ptr, len_ptr, SLOTS, HKV, D, W, P, NWARP)
-    op = off_ptr + pid_bh * SMAX * 32 + q  # lane q's offset of byte k of word v in step s at + 32 s + 4 (4 v + k)
-    # column g, lane q: word (n-tile n, v) of step s at + 128 s + 32 (2 n + v)
-    vp = vd_ptr + pid_bh * SMAX * 128 + g * 4 + q
+    # column g, lane q: word (n-tile n, v) of step s at + 128 s + 4 (4 g + q) + 2 n + v (one 16-byte load)
+    vp = vd_ptr + pid_bh * SMAX * 128 + (g * 4 + q) * 4
     zero = tl.zeros([32 * NWARP], tl.int32)
     c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
     c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
     c16, c17, c18, c19, c20, c21, c22, c23 = zero, zero, zero, zero, zero, zero, zero, zero
     c24, c25, c26, c27, c28, c29, c30, c31 = zero, zero, zero, zero, zero, zero, zero, zero
     n_steps = tl.load(nst_ptr + pid_bh)
-    # offsets two steps ahead; bytes and V words one step ahead of the MMAs, the bytes carried unpacked
-    # and packed where they are used (packed at once, they made every step wait for the loads just
-    # issued: KERNEL_NOTES run 56)
-    o0, o1, o2, o3, o4, o5, o6, o7 = _imma_offsets(op, tl.minimum(1, n_steps - 1))
-    f0, f1, f2, f3, f4, f5, f6, f7 = _imma_offsets(op, 0)
-    e0, e1, e2, e3, e4, e5, e6, e7 = _imma_raw(pb, f0, f1, f2, f3, f4, f5, f6, f7)
-    v0, v1, v2, v3 = tl.load(vp), tl.load(vp + 32), tl.load(vp + 64), tl.load(vp + 96)
+    # One 8-byte pair word per lane (pair 4 g + q of the step's list: offsets at off[s, 4 g + q]), one step
+    # ahead, turned into the lane's words x, y by the byte transpose of its lane group (_XPOSE); the V words
+    # loaded in the step they are used in (L1 hits; four registers fewer). KERNEL_NOTES runs 80-81: B=32
+    # T=32768 Key stage 410 -> 376-378 us at R=2, 623 -> 568-578 at R=4 against eight byte loads per lane and
+    # step; two words in flight, register caps of 48 / 56 and 8-page programs no faster.
+    s0, s1, s2, s3, s4, s5, s6, s7 = _xpose_sel(g)
+    pw = pb - g  # the page's plane 0, channel 0 (pb points at byte g)
+    ol = off_ptr + pid_bh * SMAX * 32 + 4 * g + q  # lane 4g + q's word offset of step s at + 32 s
+    last = n_steps - 1
+    lo, hi = _ld64(pw + tl.load(ol))
+    o = tl.load(ol + tl.minimum(1, last) * 32)
     for s in range(0, n_steps):
-        nxt = tl.minimum(s + 1, n_steps - 1)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _imma_offsets(op, tl.minimum(s + 2, n_steps - 1))
-        x = _pack4(e0, e1, e2, e3)
-        y = _pack4(e4, e5, e6, e7)
-        e0, e1, e2, e3, e4, e5, e6, e7 = _imma_raw(pb, o0, o1, o2, o3, o4, o5, o6, o7)
-        vn = vp + nxt * 128
-        v0n, v1n, v2n, v3n = tl.load(vn), tl.load(vn + 32), tl.load(vn + 64), tl.load(vn + 96)
+        on = tl.load(ol + tl.minimum(s + 2, last) * 32)
+        x, y = _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7)
+        lo, hi = _ld64(pw + o)
+        v0, v1, v2, v3 = _vwords(vp + s * 128)
         (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23,
          c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
             x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18,
             c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
-        v0, v1, v2, v3 = v0n, v1n, v2n, v3n
-        o0, o1, o2, o3, o4, o5, o6, o7 = p0, p1, p2, p3, p4, p5, p6, p7
+        o = on
     q0 = b * HQ + h * G
     tok8 = split * (NWARP * P) + w * P + 8 * g
     # M-tile i: n-tile 0 c(8i), c(8i+1) row g (token 8g + 2i) digits 0, 1 of head q, c(8i+2), c(8i+3) row g + 8
@@ -484,7 +519,11 @@ def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr
     st = pos // 32
     wi = pos % 32
     tl.store(offs + st * 32 + ((wi // 16) * 4 + wi % 4) * 4 + (wi // 4) % 4, (j * D + cc) * NB, mask=act)
-    byte = (vds + st * 512 + (wi // 16) * 128 + ((wi // 4) % 4) * 4 + wi % 4)[:, None] + gg[None, :] * 32
+    # byte k of word (n-tile n, v) of column col, lane q: + 16 (4 col + q) + 4 (2 n + v) + k (a lane's four
+    # words adjacent); CO: the next column, NT: the next n-tile
+    CO: tl.constexpr = 64
+    NT: tl.constexpr = 8
+    byte = (vds + st * 512 + ((wi // 4) % 4) * 16 + (wi // 16) * 4 + wi % 4)[:, None] + gg[None, :] * 128
     x = wf * tl.load(linw_ptr + dep * W + j, mask=act, other=0.0)[:, None] / sg[None, :]  # as imma_operands
     d0 = tl.floor(x + 0.5)
     r = (x - d0) * _IMMA_BASE
@@ -492,9 +531,9 @@ def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr
     d2 = tl.floor((r - d1) * _IMMA_BASE + 0.5)
     am = act[:, None]
     tl.store(byte, d0.to(tl.int8), mask=am)  # n-tile 0, column 2g
-    tl.store(byte + 16, d1.to(tl.int8), mask=am)  # column 2g + 1
-    tl.store(byte + 256, d2.to(tl.int8), mask=am)  # n-tile 1, column 2g
-    tl.store(byte + 272, tl.zeros([D, 4], tl.int8), mask=am)
+    tl.store(byte + CO, d1.to(tl.int8), mask=am)  # column 2g + 1
+    tl.store(byte + NT, d2.to(tl.int8), mask=am)  # n-tile 1, column 2g
+    tl.store(byte + NT + CO, tl.zeros([D, 4], tl.int8), mask=am)
     if j == 0:
         q0 = b * HQ + h * G
         tl.store(vs_ptr + q0 + gg, sg, mask=gok)
@@ -506,10 +545,10 @@ def _lin_prep_i8(kdep_ptr, wf_ptr, base_ptr, lina_ptr, linw_ptr, off_ptr, vd_ptr
         pad = pp < n_steps * 32
         pst, pwi = pp // 32, pp % 32
         tl.store(offs + pst * 32 + ((pwi // 16) * 4 + pwi % 4) * 4 + (pwi // 4) % 4, pp * 0, mask=pad)
-        pbyte = vds + pst * 512 + (pwi // 16) * 128 + ((pwi // 4) % 4) * 4 + pwi % 4
+        pbyte = vds + pst * 512 + ((pwi // 4) % 4) * 16 + (pwi // 16) * 4 + pwi % 4
         for col in tl.static_range(8):
-            tl.store(pbyte + col * 16, tl.zeros([32], tl.int8), mask=pad)
-            tl.store(pbyte + 256 + col * 16, tl.zeros([32], tl.int8), mask=pad)
+            tl.store(pbyte + col * CO, tl.zeros([32], tl.int8), mask=pad)
+            tl.store(pbyte + NT + col * CO, tl.zeros([32], tl.int8), mask=pad)
         tl.store(nst_ptr + pid, n_steps)
 
 
@@ -811,24 +850,6 @@ def _vi_entry(kv, pgrow, lrow, blk, col_ok, m_t, bc, BLK: tl.constexpr, W: tl.co
     return row, W - (kv >> 11), tl.exp(lg - m_t)
 
 
-_VLD2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov.b32 $1, 0; "
-                     "@p ld.global.nc.u8 $0, [$2]; @p ld.global.nc.u8 $1, [$2+8]; }")
-_VLD1 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $2, $3; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }")
-
-
-@triton.jit
-def _vi_bytes(vb_ptr, r, s, j, PLANE: tl.constexpr, TWO: tl.constexpr):
-    """An entry's plane-j bytes of the lane's byte columns (bc, bc + 8 when TWO), each in the low bits
-    of a register, 0 for planes at or below the entry's depth s (inline PTX: one predicate, no
-    zero-extension)."""
-    ptr = (vb_ptr + r + j * PLANE).to(tl.int64, bitcast=True)
-    if TWO:
-        return tl.inline_asm_elementwise(_VLD2, "=r,=r,l,r,r", [ptr, j, s], dtype=(tl.int32, tl.int32),
-                                         is_pure=True, pack=1)
-    x = tl.inline_asm_elementwise(_VLD1, "=r,l,r,r", [ptr, j, s], dtype=tl.int32, is_pure=True, pack=1)
-    return x, x
-
-
 @triton.jit
 def _vi_val(top, b1, b0, k: tl.constexpr, sc, ab):
     """Channel bit k of a byte column (M-tile k // 2, row k % 2): the sums of Y's three bytes, bit k's
@@ -848,19 +869,29 @@ def _vi_store8(part_ptr, prow, OFF: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7
          _vi_val(c19, c22, c23, 7, sc, ab), ok)
 
 
+_VLDX4 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $5, $6; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+                      "mov.b32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4]; }")
+_VLDX2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov.b32 $1, 0; "
+                      "@p ld.global.nc.v2.u32 {$0, $1}, [$2]; }")
+
+
 @triton.jit
-def _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj, PLANE: tl.constexpr, TWO:
-            tl.constexpr):
-    """Plane jj's bytes of a lane's eight entries, packed: (x, y) of byte column bc, (x2, y2) of bc + 8."""
-    u0, v0 = _vi_bytes(vb_ptr, r0, s0, jj, PLANE, TWO)
-    u1, v1 = _vi_bytes(vb_ptr, r1, s1, jj, PLANE, TWO)
-    u2, v2 = _vi_bytes(vb_ptr, r2, s2, jj, PLANE, TWO)
-    u3, v3 = _vi_bytes(vb_ptr, r3, s3, jj, PLANE, TWO)
-    u4, v4 = _vi_bytes(vb_ptr, r4, s4, jj, PLANE, TWO)
-    u5, v5 = _vi_bytes(vb_ptr, r5, s5, jj, PLANE, TWO)
-    u6, v6 = _vi_bytes(vb_ptr, r6, s6, jj, PLANE, TWO)
-    u7, v7 = _vi_bytes(vb_ptr, r7, s7, jj, PLANE, TWO)
-    return _pack4(u0, u1, u2, u3), _pack4(u4, u5, u6, u7), _pack4(v0, v1, v2, v3), _pack4(v4, v5, v6, v7)
+def _vi_loadx(vb_ptr, r, s, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """Plane jj's bytes of a lane's eight entries from one row load per lane: the lane's own entry's
+    16 bytes (8 when d = 64; none at or below its depth s), byte-transposed in its lane group
+    (:data:`_XPOSE`, selectors e0..e7) into (x, y) of byte column bc and (x2, y2) of bc + 8."""
+    ptr = (vb_ptr + r + jj * PLANE).to(tl.int64, bitcast=True)
+    if TWO:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(_VLDX4, "=r,=r,=r,=r,l,r,r", [ptr, jj, s],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                   pack=1)
+        x, y = _xpose(w0, w1, e0, e1, e2, e3, e4, e5, e6, e7)
+        x2, y2 = _xpose(w2, w3, e0, e1, e2, e3, e4, e5, e6, e7)
+        return x, y, x2, y2
+    w0, w1 = tl.inline_asm_elementwise(_VLDX2, "=r,=r,l,r,r", [ptr, jj, s], dtype=(tl.int32, tl.int32),
+                                       is_pure=True, pack=1)
+    x, y = _xpose(w0, w1, e0, e1, e2, e3, e4, e5, e6, e7)
+    return x, y, x, y
 
 
 @triton.jit
@@ -887,18 +918,18 @@ def _vi_mma(linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6
 
 
 @triton.jit
-def _vi_plane(vb_ptr, linw_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5,
-              p6, p7, sel, msk0, jj, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
-              c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16,
-              d17, d18, d19, d20, d21, d22, d23, PLANE: tl.constexpr, W: tl.constexpr, TWO: tl.constexpr, PAIR:
-              tl.constexpr):
+def _vi_plane(vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3,
+              p4, p5, p6, p7, sel, msk0, jj, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+              c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14,
+              d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE: tl.constexpr, W: tl.constexpr, TWO: tl.constexpr,
+              PAIR: tl.constexpr):
     """Plane j (``jj`` the same as an int32 tensor) of a step of :func:`_value_stage_imma`, and with
-    PAIR plane j + 1 too (its bytes loaded with plane j's; where it is below every entry's depth its
-    loads are predicated off and its B words are zero)."""
-    x, y, x2, y2 = _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj, PLANE, TWO)
+    PAIR plane j + 1 too (its rows loaded with plane j's; where it is below every entry's depth its
+    loads are predicated off and its B words are zero). ro, so: the lane's own entry's row and depth,
+    e0..e7 its transpose selectors (:func:`_vi_loadx`)."""
+    x, y, x2, y2 = _vi_loadx(vb_ptr, ro, so, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO)
     if PAIR:
-        xb, yb, x2b, y2b = _vi_load(vb_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, jj + 1,
-                                    PLANE, TWO)
+        xb, yb, x2b, y2b = _vi_loadx(vb_ptr, ro, so, jj + 1, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO)
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0,
      d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
      d23) = _vi_mma(
@@ -970,7 +1001,6 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     pgrow = pt_ptr + pid_bh * SLOTS
     obase = vord_ptr + pid_bh * TMAX + blk * BLK
     n_items = _load_scalar(vcnt_ptr + pid_bh * NBLK + blk)
-    bc = (CW // 8) * w + gid  # the lane's byte column (and bc + 8 for M-tiles 4-7)
     zero = tl.zeros([32 * NWARP], tl.int32)
     c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, \
         zero, zero
@@ -981,18 +1011,27 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23 = zero, zero, zero, zero, zero, zero, zero, zero, \
         zero, zero, zero, zero
     asum = tl.zeros([32 * NWARP], tl.float32)
+    # lane (gid, q) loads the rows of one entry, 4 q + gid % 4 + 16 (gid // 4), from byte column (CW / 8) w, and
+    # the lanes of each q swap bytes (:data:`_XPOSE`): one 16-byte load per plane instead of 16 byte loads
+    # (KERNEL_NOTES run 82, with the 128-register cap of the launch: B=32 T=32768 Value stage 197 -> 180 us
+    # at R=2, 560 -> 493 at R=4)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _xpose_sel(gid)
+    own = 4 * q + gid % 4 + 16 * (gid // 4)
     f0 = _v_first(obase, 0, n_items, W)
     for k in range(0, tl.cdiv(n_items, 32)):
         fn = _v_first(obase, 32 * k + 32, n_items, W)
         k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, 32 * k, q, n_items, W)
-        r0, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r1, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r2, s2, p2 = _vi_entry(k2, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r3, s3, p3 = _vi_entry(k3, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r4, s4, p4 = _vi_entry(k4, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r5, s5, p5 = _vi_entry(k5, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r6, s6, p6 = _vi_entry(k6, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
-        r7, s7, p7 = _vi_entry(k7, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+        ko = _v_kv(obase, 32 * k + own, n_items, W)
+        ro, so, _ = _vi_entry(ko, pgrow, lrow, blk, col_ok, m_t, (CW // 8) * w, BLK, W, P, NB8)
+        # the eight entries' depths and probabilities (their rows are dead code: only the own entry's is read)
+        _, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s2, p2 = _vi_entry(k2, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s3, p3 = _vi_entry(k3, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s4, p4 = _vi_entry(k4, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s5, p5 = _vi_entry(k5, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s6, p6 = _vi_entry(k6, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+        _, s7, p7 = _vi_entry(k7, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
         p0, p1, p2, p3, p4, p5, p6, p7 = p0 * kw, p1 * kw, p2 * kw, p3 * kw, p4 * kw, p5 * kw, p6 * kw, p7 * kw
         asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
                  + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
@@ -1004,10 +1043,10 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                 (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
                  c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17,
                  d18, d19, d20, d21, d22, d23) = _vi_plane(
-                    vb_ptr, linw_ptr, r0, r1, r2, r3, r4, r5, r6, r7, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2,
-                    p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11,
-                    c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8,
-                    d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO, PAIR)
+                    vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, p0,
+                    p1, p2, p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10,
+                    c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7,
+                    d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO, PAIR)
         f0 = fn
     # sum_t (p / S) a_s of query head n: the lanes of B column 2n (q = 0..3 cover a step's 32 entries;
     # warp 0's copy: every warp computed the same)
@@ -1163,8 +1202,8 @@ def imma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor,
                   page_size: int) -> tuple[torch.Tensor, ...]:
     """The operands of :func:`_key_stage_imma` (the torch reference of ``_lin_prep_i8``): per head its
     pairs plane-major (:func:`_pair_list`) in steps of 32, list entry 32 s + 16 v + 4 q + k at (byte offsets
-    [B*Hkv, S, 2 words v, 4 bytes k, 4 lanes q] int32, V digits [B*Hkv, S, 2 n-tiles, 2 words v, 8 columns,
-    4 lanes q, 4 bytes k] int8, the number of steps [B*Hkv], base' [B, Hq], the digit scale S_g [B, Hq]).
+    [B*Hkv, S, 2 words v, 4 bytes k, 4 lanes q] int32, V digits [B*Hkv, S, 8 columns, 4 lanes q, 2 n-tiles,
+    2 words v, 4 bytes k] int8, the number of steps [B*Hkv], base' [B, Hq], the digit scale S_g [B, Hq]).
     Column 2n of n-tile 0 holds query head n's digit 0 of V / S_n, column 2n + 1 digit 1, column 2n of
     n-tile 1 digit 2 (base :data:`IMMA_BASE`); the other columns are zero."""
     bsz, hk, _ = kdep.shape
@@ -1185,7 +1224,8 @@ def imma_operands(tree: UniformLinearTree, kdep: torch.Tensor, wf: torch.Tensor,
         dl[rows, pos, 1, 2 * n] = d2[live][:, n].to(torch.int8)
     # entry 32 s + 16 v + 4 q + k
     offf = offl.view(bh, n_steps, 2, 4, 4).transpose(3, 4).contiguous()  # [s, v, k, q]
-    vd = dl.view(bh, n_steps, 2, 4, 4, 2, 8).permute(0, 1, 5, 2, 6, 3, 4).contiguous()  # [s, n, v, col, q, k]
+    # [s, v, q, k, n, col] -> [s, col, q, n, v, k]: lane 4 col + q's four words of a step adjacent
+    vd = dl.view(bh, n_steps, 2, 4, 4, 2, 8).permute(0, 1, 6, 3, 5, 2, 4).contiguous()
     steps = ((cnt + 31) // 32).int()
     return offf, vd, steps, base2.reshape(bsz, hk * g).contiguous(), sg.reshape(bsz, hk * g)
 

@@ -304,6 +304,11 @@ class TritonReader:
         # the int8 Value stage's planes two at a time: "auto" where it measured faster (head_dim >= 256:
         # d=256 R=2 58 -> 52 us, R=4 163 -> 142; head_dim 128 slower: 198 -> 239 us, KERNEL_NOTES run 71)
         self.imma_pair: bool | str = "auto"
+        # a register cap for the int8 Value stage: 128 registers let 16 warps per SM run it (the compiler takes
+        # 153: 12); with its transposed row loads measured faster (KERNEL_NOTES run 82: B=32 T=32768 R=4 Value
+        # stage 560 -> 493 us, d=256 140 -> 106; the cap alone on the byte-load form was slower); None: the
+        # compiler's choice
+        self.value_maxnreg: int | None = 128
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         # max |w_tj|: the int8 Value stage's Y = rint(p w / S) stays within 2^22 with S = p_max wmax / 2^22
         self._wmax = (float(linear_tables(codec.tree)[1].abs().max()) if isinstance(codec.tree, UniformLinearTree)
@@ -727,6 +732,7 @@ class TritonReader:
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
                                     HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, TS=ts,
                                     PAIR=pair and w % 2 == 0,
+                                    **({"maxnreg": self.value_maxnreg} if self.value_maxnreg else {}),
                                     num_warps=max(1, d // 128))
         elif plan.value_mma:
             vb = self._bits("value_bits")

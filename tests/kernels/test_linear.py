@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from planekv.kernels import TritonReader
+from planekv.kernels.linear import _xpose_sel
 from planekv.kvstore import Codec, PlaneKVCache, ReadPolicy
 from planekv.kvstore.synthetic import make_synthetic
 
@@ -392,7 +395,7 @@ def _emulate_imma(k_pool: torch.Tensor, pt: torch.Tensor, lengths: list[int], op
                     off = offf[bh, s].long()  # [v, k, q]
                     byts = flat[off[:, :, qq] + gid]  # [v, k, lanes]
                     words = byts.permute(2, 0, 1)  # [lanes, v, k]: byte k of word v
-                    bw = vd[bh, s][:, :, gid, qq].permute(2, 0, 1, 3).long()  # [lanes, n-tile, v, k]
+                    bw = vd[bh, s][gid, qq].long()  # [lanes, n-tile, v, k]
                     for i in range(4):
                         lo, hi = words & (1 << 2 * i), words & (2 << 2 * i)
                         a = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
@@ -500,14 +503,18 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
                         ) -> tuple[torch.Tensor, int]:
     """What ``_value_stage_imma`` writes to ``part``, lane by lane in torch: the block's scale from the
     split maxima, the list walk in steps of 32 entries (lane (gid, q): entries 4q..4q+3, 16+4q..16+4q+3),
-    the plane bytes of its byte columns masked to each M-tile's bits, its B words (the bytes of Y =
+    the plane bytes of its byte columns (each lane loads its own entry's row, the lane group transposes
+    them: :data:`_XPOSE`, run by :func:`_run_ptx`) masked to each M-tile's bits, its B words (the bytes of Y =
     rint(p w / S): the top byte in even columns of n-tile 0, bytes 1 / 0 in n-tile 1), the warp's int8
     MMAs (:func:`_imma_m16n8k32`), and the epilogue. Also the largest |top byte| seen."""
+    from planekv.kernels.linear import _XPOSE, xpose_selectors
+
     spec = reader.codec.spec
     hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
     g = hq // hk
     c = reader._consts[plan.device]
     lina, linw, wmax = c["lin_a"], c["lin_w"], reader._wmax
+    sel = torch.tensor([xpose_selectors(lane // 4) for lane in range(32)])
     blk_t, nblk, nsk = reader._blk, plan.n_blocks, plan.n_splits
     ts_tok = (plan.mma_pages if plan.key_mma else reader._ppk) * p
     cw = 128 if d >= 128 else 64
@@ -550,12 +557,22 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
                         asum += sum(x * lina[s_] for x, s_ in zip(pv, dep, strict=True))
                         npl = w - int(lst[32 * k] >> 11)
                         npl = min(w, -(-npl // 2) * 2) if pair else npl  # pairs: planes at or past depths add 0
+                        # the lane's own entry 4q + gid % 4 + 16 (gid // 4): its row's bytes from byte column
+                        # (cw / 8) wq, transposed in the lane group (_XPOSE) into the eight entries' bytes
+                        e_own = 32 * k + 4 * q + gid % 4 + 16 * (gid // 4)
+                        kvo = torch.where(e_own < n_items, lst[e_own.clamp(max=max(n_items - 1, 0))], w << 11)
+                        dep_o, pos_o = w - (kvo >> 11), blk * blk_t + (kvo & 2047)
                         for j in range(npl):
+                            row = v_pool[pt[bi, h, pos_o // p].long(), j, pos_o % p].long()  # [32 lanes, d / 8]
+                            row = torch.where((j < dep_o)[:, None], row, 0)
                             cols = []
-                            for s_, ps in zip(dep, pos, strict=True):
-                                row = v_pool[pt[bi, h, ps // p].long(), j, ps % p]  # [32 lanes, d / 8]
-                                cols.append([torch.where(j < s_, row[lanes, bc + 8 * col].long(), 0)
-                                             for col in range(2 if two else 1)])
+                            for col in range(2 if two else 1):
+                                b8 = row[:, (cw // 8) * wq + 8 * col + torch.arange(8)]  # [32 lanes, 8 bytes]
+                                lo = sum(b8[:, i] << 8 * i for i in range(4))
+                                hi = sum(b8[:, 4 + i] << 8 * i for i in range(4))
+                                x, y = _run_ptx(_XPOSE.value, 2, [lo, hi, *sel.T])
+                                cols.append(torch.stack([(x >> 8 * i) & 255 for i in range(4)]
+                                                        + [(y >> 8 * i) & 255 for i in range(4)], 1))
                             y = [torch.round(x * linw[s_ * w + j]).long() for x, s_ in zip(pv, dep, strict=True)]
                             top = [v >> 16 for v in y]
                             top_max = max(top_max, max(int(t.abs().max()) for t in top))
@@ -563,7 +580,7 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
                             n1 = torch.stack([torch.where(odd == 1, v & 255, (v >> 8) & 255) for v in y], 1)
                             n1 = n1.view(32, 2, 4)
                             for col in range(2 if two else 1):
-                                xb = torch.stack([cc[col] for cc in cols], 1)  # [32, 8 entries]
+                                xb = cols[col]  # [32, 8 entries]: byte column bc + 8 col
                                 for i in range(4):
                                     lo, hi = 1 << (2 * i), 2 << (2 * i)
                                     a = torch.stack([xb[:, :4] & lo, xb[:, :4] & hi, xb[:, 4:] & lo, xb[:, 4:] & hi], 1)
@@ -604,3 +621,85 @@ def test_int8_value_stage_emulated(d: int, hq: int, hk: int, pair: bool) -> None
         nb = -(-t // 128)
         torch.testing.assert_close(emu[b, :, :nb], plan.part[b, :, :nb], rtol=2e-5, atol=2e-6)
     assert float(plan.part[:, :, :1].abs().max()) > 0.01  # the partial sums are not trivially zero
+
+
+def _run_ptx(asm: str, n_out: int, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A warp running ``asm`` (only ``.reg``, ``prmt.b32`` and ``shfl.sync.bfly.b32``, as
+    :data:`planekv.kernels.linear._XPOSE` uses): operands $0.. are the n_out outputs, then the inputs
+    (int64 tensors of the 32 lanes' 32-bit values)."""
+    regs: dict[str, torch.Tensor] = {f"${n_out + i}": x.long() & 0xFFFFFFFF for i, x in enumerate(ins)}
+    lanes = torch.arange(32)
+
+    def val(tok: str) -> torch.Tensor:
+        return regs[tok] if tok in regs else torch.full((32,), int(tok, 0), dtype=torch.int64)
+
+    for stmt in filter(None, (s.strip(" {}") for s in asm.split(";"))):
+        op, _, args = stmt.partition(" ")
+        a = [t.strip() for t in args.split(",")]
+        if op == ".reg":
+            continue
+        if op == "prmt.b32":
+            x, y, c = val(a[1]), val(a[2]), val(a[3])
+            src = torch.stack([(x >> 8 * i) & 0xFF for i in range(4)] + [(y >> 8 * i) & 0xFF for i in range(4)], 1)
+            regs[a[0]] = sum(src[lanes, (c >> 4 * i) & 0xF] << 8 * i for i in range(4))
+        elif op == "shfl.sync.bfly.b32":
+            regs[a[0]] = val(a[1])[lanes ^ int(a[2], 0)]
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@triton.jit
+def _sel_probe(out_ptr):
+    """Each lane's eight transpose selectors (lane 4g + q: group index g), as the Key stage computes them."""
+    lane = tl.arange(0, 32)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _xpose_sel(lane // 4)
+    o = out_ptr + lane * 8
+    tl.store(o, s0)
+    tl.store(o + 1, s1)
+    tl.store(o + 2, s2)
+    tl.store(o + 3, s3)
+    tl.store(o + 4, s4)
+    tl.store(o + 5, s5)
+    tl.store(o + 6, s6)
+    tl.store(o + 7, s7)
+
+
+def test_int8_key_stage_transposed_loads_give_the_byte_loads_operands() -> None:
+    """The int8 Key stage's plane loads (GPU only: inline PTX): each lane loads the whole 8-byte word of one
+    pair and the lanes of each group swap bytes (:data:`_XPOSE`, run here by a small PTX emulator with the selectors
+    the kernel computes, in the interpreter), and every lane ends with the two words x, y that its eight
+    byte loads build, for every page and step of a real step's operands; a broken selector fails it."""
+    from planekv.kernels.linear import _XPOSE, imma_operands, xpose_selectors
+
+    sel = torch.zeros(32 * 8, dtype=torch.int32)
+    _sel_probe[(1,)](sel)
+    sel = sel.view(32, 8).long()
+    assert torch.equal(sel, torch.tensor([xpose_selectors(lane // 4) for lane in range(32)]))
+    codec, cache, q = _linear_cache(8, 2, 11, [150, 97])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.875))
+    plan = reader.plan(2, 150, "cpu")
+    reader.decode(q, cache, 0, plan=plan)
+    offf, _, steps, _, _ = imma_operands(codec.tree, plan.kdep, plan.wf, plan.base, 64)
+    lane = torch.arange(32)
+    gid, qq = lane // 4, lane % 4
+    pt = cache.page_table
+    bad = sel.clone()
+    bad[:, 6] = bad[:, 6] ^ 0x0001  # one byte of stage C's new low word from the wrong place
+    checked = 0
+    for bh in range(pt.shape[0] * pt.shape[1]):
+        for pg in range(2):
+            flat = cache.k_pool[0][int(pt.view(-1, pt.shape[2])[bh, pg])].reshape(-1).long()
+            for s in range(int(steps[bh])):
+                off = offf[bh, s].long()  # [v, k, q]
+                byts = flat[off[:, :, qq] + gid]  # [v, k, lanes]: byte g of pair 16 v + 4 q + k
+                want = [sum(byts[v, k] << 8 * k for k in range(4)) for v in range(2)]
+                wo = off.reshape(-1)[lane]  # lane 4g + q: the word of list entry 4g + q
+                lo = sum(flat[wo + k] << 8 * k for k in range(4))
+                hi = sum(flat[wo + 4 + k] << 8 * k for k in range(4))
+                x, y = _run_ptx(_XPOSE.value, 2, [lo, hi, *sel.T])
+                assert torch.equal(x, want[0]) and torch.equal(y, want[1]), (bh, pg, s)
+                xb, yb = _run_ptx(_XPOSE.value, 2, [lo, hi, *bad.T])
+                assert not (torch.equal(xb, want[0]) and torch.equal(yb, want[1]))
+                checked += 1
+    assert checked >= 8
