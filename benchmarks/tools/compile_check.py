@@ -315,7 +315,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   NSK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, TS=256, PAIR=pair), num_warps=max(1, d // 128), sass_dir=sd,
-                        tag=f"{tag}{'-pair' if pair else ''}")
+                        tag=f"{tag}{'-pair' if pair else ''}", maxnreg=128)
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

@@ -235,13 +235,14 @@ def _write(rows: list[dict], out: str | None) -> int:
     return 0
 
 
-def ragged_main(out: str | None) -> int:
+def ragged_main(out: str | None, settings: str = "") -> int:
     """Whole reader steps with the bit-product Key stage forced on (``key_mma=True``) over sequences
     of ragged lengths (mid-page ends, one token, shorter than one 512-token split), every sequence
-    checked against the reference reader, for each shape and both readers' flexible rates."""
+    checked against the reference reader, for each shape and both readers' flexible rates; ``settings``
+    (``name=value,...``) set on each reader first."""
 
     from planekv.kernels import TritonReader
-    from planekv.kernels.bench import SHAPES, _check, _gen
+    from planekv.kernels.bench import SHAPES, _check, _gen, apply_settings, parse_settings
     from planekv.kvstore import ReadPolicy
 
     rows = []
@@ -255,8 +256,10 @@ def ragged_main(out: str | None) -> int:
                     ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)):
             reader = TritonReader(data.codec, pol)
             reader.key_mma = True
+            apply_settings(reader, parse_settings(settings))
             plan = reader.plan(shape.batch, shape.tokens, data.q.device)
-            _emit(rows, {"shape": name, "rate": pol.rate, "key_refine": pol.key_refine, "key_mma": plan.key_mma,
+            _emit(rows, {"shape": name, "settings": settings, "rate": pol.rate, "key_refine": pol.key_refine,
+                         "key_mma": plan.key_mma,
                          **_check(reader, plan, data, data.codec, n_seq=len(lens))})
     return _write(rows, out)
 
@@ -295,9 +298,10 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--reader", action="store_true", help="with --gpu: whole reader steps, key_mma on and off")
     ap.add_argument("--ragged", action="store_true", help="on the GPU: ragged-length steps checked, key_mma on")
+    ap.add_argument("--set", default="", help="with --ragged: reader settings name=value[,name=value]")
     args = ap.parse_args()
     if args.ragged:
-        return ragged_main(args.json)
+        return ragged_main(args.json, args.set)
     if args.gpu:
         return gpu_main(args.shapes, args.reps, args.json, args.reader)
 
