@@ -299,7 +299,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             compile_one(L._key_stage_imma, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, off_ptr=P32, vd_ptr=P32,
                                                 nst_ptr=P32, base_ptr=PI, vs_ptr=PI, logit_ptr=PI, mstat_ptr=PI,
                                                 sstat_ptr=PI, scale="fp32", SLOTS="i32", TMAX="i32", SMAX="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=4, VST=True), num_warps=4,
+                        dict(HQ=hq, HKV=hk, G=g, D=d, W=8, P=64, NWARP=4, VST=True, PF=3), num_warps=4,
                         sass_dir=sd, tag=tag)
         if g <= 4 and want(L._value_stage_mma):
             compile_one(L._value_stage_mma, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,

@@ -293,6 +293,16 @@ class TritonReader:
         # pages (warps) per program of the int8 Key stage: 4 measured faster than 8 (KERNEL_NOTES run 56: B=32
         # T=32768 R=2 493 -> 481 us, R=4 682 -> 655, d=256 126 -> 112 / 188 -> 167)
         self.imma_warps = 4
+        # how the int8 Key stage runs ahead of its plane rows: 1 one step, 2 two steps (a register rotation,
+        # which ptxas turns into moves that wait for the load a step after it), 3 two steps with the loop over
+        # pairs of steps (KERNEL_NOTES run 86: B=32 T=32768 Key stage 376 -> 315 us at R=2, 568 -> 466 at R=4)
+        self.imma_prefetch = 3
+        # a register cap for it: "auto" caps at 64 registers (8 programs per SM instead of 7; a few bytes
+        # spilled) where the grid is between one and eight such waves, so that the last wave's share counts
+        # (run 86: d=256 82 -> 72 us at R=2, 150 -> 114 at R=4, SmolLM2 24.5 -> 23.1 / 34.0 -> 31.6; the
+        # B=32 d=128 grid of 32 waves 315 -> 318 / 466 -> 479 with it, B=1 under one wave 7.2 -> 7.5);
+        # None: the compiler's choice (72), an int: that cap
+        self.imma_maxnreg: int | str | None = "auto"
         # its logits as two 16-byte stores per lane (rows of a multiple of 8 entries; KERNEL_NOTES run 61:
         # B=32 T=32768 R=2 482 -> 410 us); False: eight 4-byte stores
         self.imma_vstore = True
@@ -508,6 +518,16 @@ class TritonReader:
             raise ValueError(f"{attr} must be one of {ok}, got {v!r}")
         return -1 if v == "int8" else MMA_BITS.index(v)
 
+    def _imma_maxnreg(self, n_programs: int, dev: torch.device) -> int | None:
+        """The int8 Key stage's register cap (``imma_maxnreg``) for a grid of ``n_programs``."""
+        cap = self.imma_maxnreg
+        if cap != "auto":
+            if cap is not None and (not isinstance(cap, int) or cap < 24):
+                raise ValueError(f"imma_maxnreg must be 'auto', None or an int >= 24, got {cap!r}")
+            return cap
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        return 64 if sms * 7 < n_programs <= sms * 8 * 8 else None
+
     @property
     def _mma_pages(self) -> int:
         """Pages (warps) per program of the bit-product Key stage."""
@@ -647,11 +667,15 @@ class TritonReader:
             _lin_prep_i8[(b * hk, w)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
                                     plan.lin_v.view(torch.int8), plan.lin_steps, plan.lin_base, plan.lin_scale, smax,
                                     HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, num_warps=4)
-            _key_stage_imma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
-                                           plan.lin_steps, plan.lin_base, plan.lin_scale, plan.logits, plan.mstat,
-                                           plan.sstat, scale, slots, tmax, smax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
-                                           NWARP=plan.mma_pages, VST=self.imma_vstore and tmax % 8 == 0,
-                                           num_warps=plan.mma_pages)
+            nwarp = plan.mma_pages
+            kargs = (k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32), plan.lin_steps,
+                     plan.lin_base, plan.lin_scale, plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, smax)
+            cap = self._imma_maxnreg(b * hk * nsk, q.device)
+            kw = dict(HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, NWARP=nwarp, VST=self.imma_vstore and tmax % 8 == 0,
+                      num_warps=nwarp, **({"maxnreg": cap} if cap else {}))
+            if self.imma_prefetch not in (1, 2, 3):
+                raise ValueError(f"imma_prefetch must be 1, 2 or 3, got {self.imma_prefetch!r}")
+            _key_stage_imma[(b * hk, nsk)](*kargs, PF=self.imma_prefetch, **kw)
         elif plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
             _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
                                  plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,

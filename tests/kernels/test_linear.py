@@ -468,6 +468,28 @@ def test_a_plan_runs_only_with_the_key_bits_it_was_made_for() -> None:
         reader.decode(q, cache, 0, plan=plan)
 
 
+
+def test_int8_key_stage_register_cap_follows_the_grid(monkeypatch) -> None:
+    """``imma_maxnreg="auto"`` caps the int8 Key stage at 64 registers (8 programs per SM instead of 7)
+    only where its grid is between one and eight such waves (KERNEL_NOTES run 86); an explicit value is
+    used as given, and a malformed one is refused before any launch."""
+    codec, _, _ = _linear_cache(8, 2, 5, [150, 97])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.875))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: type("Props", (), {"multi_processor_count": 132}))
+    cuda = torch.device("cuda")
+    assert reader.imma_maxnreg == "auto"
+    assert reader._imma_maxnreg(256 * 128, cuda) is None  # B=32 T=32768, 8 KV heads: 32 waves
+    assert reader._imma_maxnreg(32 * 128, cuda) == 64  # d=256, one KV head: 4 waves
+    assert reader._imma_maxnreg(96 * 32, cuda) == 64  # SmolLM2's geometry at B=32 T=8192
+    assert reader._imma_maxnreg(8 * 32, cuda) is None  # B=1 T=8192: under one wave
+    assert reader._imma_maxnreg(4096, torch.device("cpu")) is None
+    reader.imma_maxnreg = 80
+    assert reader._imma_maxnreg(256 * 128, cuda) == 80
+    reader.imma_maxnreg = "fast"
+    with pytest.raises(ValueError, match="imma_maxnreg"):
+        reader._imma_maxnreg(4096, cuda)
+
 @pytest.mark.parametrize("rate,blk", [(2.0, 512), (4.0, 256)])
 def test_chunked_depth_order_equals_the_block_wide_one(rate: float, blk: int) -> None:
     """``order_chunked`` (the depth-sorted list's slots from one prefix sum along 128-token chunks) writes
