@@ -423,6 +423,29 @@ def _imma_step(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10
 
 
 @triton.jit
+def _imma_kstep(lo, hi, pw, o, vp, sv, last, n_steps, s0, s1, s2, s3, s4, s5, s6, s7, c0, c1, c2, c3, c4, c5, c6,
+                c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27,
+                c28, c29, c30, c31, TAIL: tl.constexpr):
+    """One step of :func:`_key_stage_imma`: the lane's words from its row (lo, hi) by the byte transpose,
+    the row at pw + o loaded into the same registers, step sv's V words from vp and the MMAs; returns the
+    row and the accumulators. TAIL: sv may be past the last step (its V words are then zero)."""
+    x, y = _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7)
+    lo, hi = _ld64(pw + o)
+    if TAIL:
+        v0, v1, v2, v3 = _vwords(vp + tl.minimum(sv, last) * 128)
+        real = sv < n_steps
+        v0 = tl.where(real, v0, 0)
+        v1 = tl.where(real, v1, 0)
+        v2 = tl.where(real, v2, 0)
+        v3 = tl.where(real, v3, 0)
+    else:
+        v0, v1, v2, v3 = _vwords(vp + sv * 128)
+    return (lo, hi) + _imma_step(x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13,
+                                 c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30,
+                                 c31)
+
+
+@triton.jit
 def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr, vs_ptr, logit_ptr, mstat_ptr,
                     sstat_ptr, scale, SLOTS, TMAX, SMAX, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                     D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NWARP: tl.constexpr,
@@ -448,78 +471,49 @@ def _key_stage_imma(kb_ptr, pt_ptr, len_ptr, off_ptr, vd_ptr, nst_ptr, base_ptr,
     c24, c25, c26, c27, c28, c29, c30, c31 = zero, zero, zero, zero, zero, zero, zero, zero
     n_steps = tl.load(nst_ptr + pid_bh)
     # One 8-byte pair word per lane (pair 4 g + q of the step's list: offsets at off[s, 4 g + q]), one step
-    # ahead (PF 1) or two (PF 3: the loop over pairs of steps, so that no register moves wait for the loads;
-    # PF 2 rotates registers and measured as PF 1), turned into the lane's words x, y by the byte transpose of
-    # its lane group (_XPOSE); the V words loaded in the step they are used in (L1 hits; four registers
-    # fewer). KERNEL_NOTES runs 80-81: B=32 T=32768 Key stage 410 -> 376-378 us at R=2, 623 -> 568-578 at R=4
-    # against eight byte loads per lane and step; run 86: PF 3 376 -> 315, 568 -> 466.
+    # ahead (PF 1) or two (PF 3: the loop over pairs of steps, so that no register moves wait for the loads),
+    # turned into the lane's words x, y by the byte transpose of its lane group (_XPOSE); the V words loaded
+    # in the step they are used in (L1 hits; four registers fewer). KERNEL_NOTES runs 80-81: B=32 T=32768 Key
+    # stage 410 -> 376-378 us at R=2, 623 -> 568-578 at R=4 against eight byte loads per lane and step; run
+    # 86: PF 3 376 -> 315, 568 -> 466.
     s0, s1, s2, s3, s4, s5, s6, s7 = _xpose_sel(g)
     pw = pb - g  # the page's plane 0, channel 0 (pb points at byte g)
     ol = off_ptr + pid_bh * SMAX * 32 + 4 * g + q  # lane 4g + q's word offset of step s at + 32 s
     last = n_steps - 1
+    tl.static_assert((PF == 1) | (PF == 3), "rows one step ahead, or two over pairs of steps")
+    lo, hi = _ld64(pw + tl.load(ol))
     if PF == 1:
-        lo, hi = _ld64(pw + tl.load(ol))
         o = tl.load(ol + tl.minimum(1, last) * 32)
         for s in range(0, n_steps):
             on = tl.load(ol + tl.minimum(s + 2, last) * 32)
-            x, y = _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7)
-            lo, hi = _ld64(pw + o)
-            v0, v1, v2, v3 = _vwords(vp + s * 128)
-            (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
-             c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
-                x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
-                c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
+            (lo, hi, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+             c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_kstep(
+                lo, hi, pw, o, vp, s, last, n_steps, s0, s1, s2, s3, s4, s5, s6, s7, c0, c1, c2, c3, c4, c5, c6, c7,
+                c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28,
+                c29, c30, c31, False)
             o = on
-    elif PF == 3:
+    else:
         # rows two steps ahead with the loop over pairs of steps, so that no register rotation (which ptxas
-        # turns into moves that wait for the load one step after it) stands between a load and its use; a
-        # second step past the last one multiplies by zero V words
-        lo, hi = _ld64(pw + tl.load(ol))
+        # turns into moves that wait for the load one step after it; KERNEL_NOTES run 85) stands between a
+        # load and its use; a second step past the last one multiplies by zero V words
         lo1, hi1 = _ld64(pw + tl.load(ol + tl.minimum(1, last) * 32))
         o = tl.load(ol + tl.minimum(2, last) * 32)
         o1 = tl.load(ol + tl.minimum(3, last) * 32)
         for s in range(0, n_steps, 2):
             on = tl.load(ol + tl.minimum(s + 4, last) * 32)
             on1 = tl.load(ol + tl.minimum(s + 5, last) * 32)
-            x, y = _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7)
-            lo, hi = _ld64(pw + o)
-            v0, v1, v2, v3 = _vwords(vp + s * 128)
-            (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
-             c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
-                x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
-                c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
-            x, y = _xpose(lo1, hi1, s0, s1, s2, s3, s4, s5, s6, s7)
-            lo1, hi1 = _ld64(pw + o1)
-            v0, v1, v2, v3 = _vwords(vp + tl.minimum(s + 1, last) * 128)
-            real = s + 1 < n_steps
-            v0 = tl.where(real, v0, 0)
-            v1 = tl.where(real, v1, 0)
-            v2 = tl.where(real, v2, 0)
-            v3 = tl.where(real, v3, 0)
-            (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
-             c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
-                x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
-                c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
+            (lo, hi, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+             c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_kstep(
+                lo, hi, pw, o, vp, s, last, n_steps, s0, s1, s2, s3, s4, s5, s6, s7, c0, c1, c2, c3, c4, c5, c6, c7,
+                c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28,
+                c29, c30, c31, False)
+            (lo1, hi1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+             c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_kstep(
+                lo1, hi1, pw, o1, vp, s + 1, last, n_steps, s0, s1, s2, s3, s4, s5, s6, s7, c0, c1, c2, c3, c4, c5,
+                c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26,
+                c27, c28, c29, c30, c31, True)
             o = on
             o1 = on1
-    else:
-        # PF == 2 (imma_prefetch): rows two steps ahead, their offsets two steps before that
-        lo, hi = _ld64(pw + tl.load(ol))
-        lo1, hi1 = _ld64(pw + tl.load(ol + tl.minimum(1, last) * 32))
-        o = tl.load(ol + tl.minimum(2, last) * 32)
-        o1 = tl.load(ol + tl.minimum(3, last) * 32)
-        for s in range(0, n_steps):
-            on = tl.load(ol + tl.minimum(s + 4, last) * 32)
-            x, y = _xpose(lo, hi, s0, s1, s2, s3, s4, s5, s6, s7)
-            lo, hi = lo1, hi1
-            lo1, hi1 = _ld64(pw + o)
-            v0, v1, v2, v3 = _vwords(vp + s * 128)
-            (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
-             c23, c24, c25, c26, c27, c28, c29, c30, c31) = _imma_step(
-                x, y, v0, v1, v2, v3, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17,
-                c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
-            o = o1
-            o1 = on
     q0 = b * HQ + h * G
     tok8 = split * (NWARP * P) + w * P + 8 * g
     # M-tile i: n-tile 0 c(8i), c(8i+1) row g (token 8g + 2i) digits 0, 1 of head q, c(8i+2), c(8i+3) row g + 8

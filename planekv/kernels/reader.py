@@ -293,9 +293,9 @@ class TritonReader:
         # pages (warps) per program of the int8 Key stage: 4 measured faster than 8 (KERNEL_NOTES run 56: B=32
         # T=32768 R=2 493 -> 481 us, R=4 682 -> 655, d=256 126 -> 112 / 188 -> 167)
         self.imma_warps = 4
-        # how the int8 Key stage runs ahead of its plane rows: 1 one step, 2 two steps (a register rotation,
-        # which ptxas turns into moves that wait for the load a step after it), 3 two steps with the loop over
-        # pairs of steps (KERNEL_NOTES run 86: B=32 T=32768 Key stage 376 -> 315 us at R=2, 568 -> 466 at R=4)
+        # how the int8 Key stage runs ahead of its plane rows: 1 one step, 3 two steps with the loop over pairs
+        # of steps (KERNEL_NOTES run 86: B=32 T=32768 Key stage 376 -> 315 us at R=2, 568 -> 466 at R=4; run 85's
+        # form 2, two steps by a register rotation, measured as 1 and was removed)
         self.imma_prefetch = 3
         # a register cap for it: "auto" caps at 64 registers (8 programs per SM instead of 7; a few bytes
         # spilled) where the grid is between one and eight such waves, so that the last wave's share counts
@@ -667,15 +667,15 @@ class TritonReader:
             _lin_prep_i8[(b * hk, w)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off,
                                     plan.lin_v.view(torch.int8), plan.lin_steps, plan.lin_base, plan.lin_scale, smax,
                                     HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, num_warps=4)
-            nwarp = plan.mma_pages
-            kargs = (k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32), plan.lin_steps,
-                     plan.lin_base, plan.lin_scale, plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, smax)
+            if self.imma_prefetch not in (1, 3):
+                raise ValueError(f"imma_prefetch must be 1 or 3, got {self.imma_prefetch!r}")
             cap = self._imma_maxnreg(b * hk * nsk, q.device)
-            kw = dict(HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, NWARP=nwarp, VST=self.imma_vstore and tmax % 8 == 0,
-                      num_warps=nwarp, **({"maxnreg": cap} if cap else {}))
-            if self.imma_prefetch not in (1, 2, 3):
-                raise ValueError(f"imma_prefetch must be 1, 2 or 3, got {self.imma_prefetch!r}")
-            _key_stage_imma[(b * hk, nsk)](*kargs, PF=self.imma_prefetch, **kw)
+            _key_stage_imma[(b * hk, nsk)](k_pool, page_table, lengths, plan.lin_off, plan.lin_v.view(torch.int32),
+                                           plan.lin_steps, plan.lin_base, plan.lin_scale, plan.logits, plan.mstat,
+                                           plan.sstat, scale, slots, tmax, smax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p,
+                                           NWARP=plan.mma_pages, VST=self.imma_vstore and tmax % 8 == 0,
+                                           PF=self.imma_prefetch, num_warps=plan.mma_pages,
+                                           **({"maxnreg": cap} if cap else {}))
         elif plan.key_mma:  # the bit product (linear codebook): operands from _prep's depths and weights
             _lin_prep[(b * hk,)](plan.kdep, plan.wf, plan.base, c["lin_a"], c["lin_w"], plan.lin_off, plan.lin_v,
                                  plan.lin_steps, plan.lin_base, plan.lin_off.shape[1], HQ=hq, HKV=hk, G=g, D=d, W=w,
