@@ -922,22 +922,69 @@ _VLDX2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov
 
 
 @triton.jit
-def _vi_loadx(vb_ptr, r, s, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE: tl.constexpr, TWO: tl.constexpr):
-    """Plane jj's bytes of a lane's eight entries from one row load per lane: the lane's own entry's
-    16 bytes (8 when d = 64; none at or below its depth s), byte-transposed in its lane group
-    (:data:`_XPOSE`, selectors e0..e7) into (x, y) of byte column bc and (x2, y2) of bc + 8."""
+def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """Plane jj's row words of a lane's own entry: its 16 bytes (8 when d = 64, returned twice), none
+    (zeros, the load predicated off) at or below its depth s."""
     ptr = (vb_ptr + r + jj * PLANE).to(tl.int64, bitcast=True)
     if TWO:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(_VLDX4, "=r,=r,=r,=r,l,r,r", [ptr, jj, s],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
                                                    pack=1)
-        x, y = _xpose(w0, w1, e0, e1, e2, e3, e4, e5, e6, e7)
-        x2, y2 = _xpose(w2, w3, e0, e1, e2, e3, e4, e5, e6, e7)
-        return x, y, x2, y2
+        return w0, w1, w2, w3
     w0, w1 = tl.inline_asm_elementwise(_VLDX2, "=r,=r,l,r,r", [ptr, jj, s], dtype=(tl.int32, tl.int32),
                                        is_pure=True, pack=1)
+    return w0, w1, w0, w1
+
+
+@triton.jit
+def _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO: tl.constexpr):
+    """Row words byte-transposed in the lane group (:data:`_XPOSE`, selectors e0..e7) into (x, y) of
+    byte column bc and (x2, y2) of bc + 8."""
     x, y = _xpose(w0, w1, e0, e1, e2, e3, e4, e5, e6, e7)
+    if TWO:
+        x2, y2 = _xpose(w2, w3, e0, e1, e2, e3, e4, e5, e6, e7)
+        return x, y, x2, y2
     return x, y, x, y
+
+
+@triton.jit
+def _vi_loadx(vb_ptr, r, s, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """Plane jj's bytes of a lane's eight entries from one row load per lane (:func:`_vi_rows`),
+    byte-transposed (:func:`_vi_xp`)."""
+    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO)
+    return _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO)
+
+
+@triton.jit
+def _vi_ents(obase, first, q, own, n_items, W: tl.constexpr):
+    """The list entries of the step starting at ``first``: the lane's eight (:func:`_vi_kvs`) and the
+    one whose rows it loads (``own``)."""
+    k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, first, q, n_items, W)
+    return k0, k1, k2, k3, k4, k5, k6, k7, _v_kv(obase, first + own, n_items, W)
+
+
+@triton.jit
+def _vi_pack(k0, k1, k2, k3, k4, k5, k6, k7, W: tl.constexpr):
+    """Eight list entries' depths (<= 8), 4 bits each in one int32."""
+    return ((W - (k0 >> 11)) | ((W - (k1 >> 11)) << 4) | ((W - (k2 >> 11)) << 8) | ((W - (k3 >> 11)) << 12)
+            | ((W - (k4 >> 11)) << 16) | ((W - (k5 >> 11)) << 20) | ((W - (k6 >> 11)) << 24)
+            | ((W - (k7 >> 11)) << 28))
+
+
+@triton.jit
+def _vi_fetch9(k0, k1, k2, k3, k4, k5, k6, k7, ko, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr,
+               W: tl.constexpr):
+    """The own entry's page and the eight entries' logits (the other loads of :func:`_v_fetch` are dead)."""
+    pg, _ = _v_fetch(ko, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l0 = _v_fetch(k0, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l1 = _v_fetch(k1, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l2 = _v_fetch(k2, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l3 = _v_fetch(k3, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l4 = _v_fetch(k4, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l5 = _v_fetch(k5, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l6 = _v_fetch(k6, pgrow, lrow, blk, col_ok, BLK, P, W)
+    _, l7 = _v_fetch(k7, pgrow, lrow, blk, col_ok, BLK, P, W)
+    return pg, l0, l1, l2, l3, l4, l5, l6, l7
 
 
 @triton.jit
@@ -961,6 +1008,19 @@ def _vi_mma(linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6
     return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22,
             c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21,
             d22, d23)
+
+
+@triton.jit
+def _vi_pmma(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3,
+             p4, p5, p6, p7, sel, msk0, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16,
+             c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+             d16, d17, d18, d19, d20, d21, d22, d23, W: tl.constexpr, TWO: tl.constexpr):
+    """Plane j from its row words (:func:`_vi_rows`): the byte transpose and :func:`_vi_mma`."""
+    x, y, x2, y2 = _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO)
+    return _vi_mma(linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7, p0, p1, p2, p3, p4, p5, p6, p7, sel, msk0, j, x, y, x2,
+                   y2, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+                   c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18,
+                   d19, d20, d21, d22, d23, W, TWO)
 
 
 @triton.jit
@@ -999,7 +1059,8 @@ def _vi_plane(vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, 
 def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vord_ptr, vcnt_ptr, lina_ptr,
                       linw_ptr, part_ptr, wmax, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
                       G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                      P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr, PAIR: tl.constexpr = False):
+                      P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr, PAIR: tl.constexpr = False,
+                      VPF: tl.constexpr = False):
     """:func:`_value_stage_mma` on int8 tensor cores (GPU only: inline PTX; ``value_bits="int8"``). Per
     step of 32 list entries (the K of ``mma.m16n8k32``) lane (gid, q) holds entries 4q..4q+3 and
     16+4q..16+4q+3; per plane j below the step's deepest it loads their bytes of its byte column gid
@@ -1011,10 +1072,13 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     2n / 2n + 1 its bytes 1 / 0 (unsigned); lane (gid, q) builds column gid of its own eight entries and
     its accumulators hold query head q's sums of the three bytes. The values are the unsigned form
     ``a_s + sum_{j<s} w_sj b_j`` (``lina``, ``linw``). The plane loop is unrolled (immediate offsets);
-    PAIR takes the planes two at a time (both planes' loads issued together)."""
+    PAIR takes the planes two at a time (both planes' loads issued together); VPF (without PAIR) runs
+    the next step's page, logit and entry loads a step ahead and loads the plane rows four planes at a time."""
     tl.static_assert(G <= 4, "three bytes of up to 4 query heads in two n-tiles")
     tl.static_assert(D % 64 == 0, "64 channels per 4 M-tiles")
     tl.static_assert(W % 2 == 0 or not PAIR, "planes in pairs need an even width")
+    tl.static_assert(not (VPF and PAIR), "the pipelined loop loads its planes four at a time")
+    tl.static_assert(not VPF or (W <= 15 and W % 4 == 0), "depths in 4-bit fields, planes in fours")
     TWO: tl.constexpr = D >= 128  # 8 M-tiles (two byte columns, 128 channels) per warp, else 4
     CW: tl.constexpr = 128 if D >= 128 else 64
     NWARP: tl.constexpr = D // CW
@@ -1064,36 +1128,100 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     e0, e1, e2, e3, e4, e5, e6, e7 = _xpose_sel(gid)
     own = 4 * q + gid % 4 + 16 * (gid // 4)
     f0 = _v_first(obase, 0, n_items, W)
-    for k in range(0, tl.cdiv(n_items, 32)):
-        fn = _v_first(obase, 32 * k + 32, n_items, W)
-        k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, 32 * k, q, n_items, W)
-        ko = _v_kv(obase, 32 * k + own, n_items, W)
-        ro, so, _ = _vi_entry(ko, pgrow, lrow, blk, col_ok, m_t, (CW // 8) * w, BLK, W, P, NB8)
-        # the eight entries' depths and probabilities (their rows are dead code: only the own entry's is read)
-        _, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s2, p2 = _vi_entry(k2, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s3, p3 = _vi_entry(k3, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s4, p4 = _vi_entry(k4, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s5, p5 = _vi_entry(k5, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s6, p6 = _vi_entry(k6, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        _, s7, p7 = _vi_entry(k7, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
-        p0, p1, p2, p3, p4, p5, p6, p7 = p0 * kw, p1 * kw, p2 * kw, p3 * kw, p4 * kw, p5 * kw, p6 * kw, p7 * kw
-        asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
-                 + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
-                 + p6 * tl.load(lina_ptr + s6) + p7 * tl.load(lina_ptr + s7))
-        npl = W - (f0 >> 11)  # planes below the step's deepest entry
-        # planes unrolled: their offsets are immediates (KERNEL_NOTES run 70: B=32 T=32768 R=2 254 -> 198 us)
-        for j in tl.static_range(0, W, 2 if PAIR else 1):
-            if j < npl:
-                (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
-                 c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17,
-                 d18, d19, d20, d21, d22, d23) = _vi_plane(
-                    vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, p0,
-                    p1, p2, p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10,
-                    c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7,
-                    d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO, PAIR)
-        f0 = fn
+    bc = (CW // 8) * w
+    if VPF:
+        # software-pipelined (KERNEL_NOTES runs 88-89): the pages and logits of step k + 1 and the list entries
+        # of step k + 2 are loaded during step k (the next step's eight depths carried packed in one register),
+        # and a step's plane rows four planes at a time, so that it waits on one row round trip per four planes
+        # instead of one per plane after the entry -> page / logit chain (B=32 T=32768 Value stage 512 -> 457 us
+        # at R=4, 186 -> 171 at R=2)
+        a0, a1, a2, a3, a4, a5, a6, a7, ao = _vi_ents(obase, 0, q, own, n_items, W)
+        pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(a0, a1, a2, a3, a4, a5, a6, a7, ao, pgrow, lrow, blk, col_ok,
+                                                        BLK, P, W)
+        n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32, q, own, n_items, W)
+        sp = _vi_pack(a0, a1, a2, a3, a4, a5, a6, a7, W)
+        for k in range(0, tl.cdiv(n_items, 32)):
+            fn = _v_first(obase, 32 * k + 32, n_items, W)
+            ro = (pg.to(tl.int64) * (W * P) + (ao & 2047) % P) * NB8 + bc
+            so = W - (ao >> 11)
+            w0, w1, w2, w3 = _vi_rows(vb_ptr, ro, so, zero, PLANE, TWO)
+            # planes 1..3's rows with plane 0's (predicated off at or below the own entry's depth)
+            u0, u1, u2, u3 = _vi_rows(vb_ptr, ro, so, zero + 1, PLANE, TWO)
+            v0, v1, v2, v3 = _vi_rows(vb_ptr, ro, so, zero + 2, PLANE, TWO)
+            t0, t1, t2, t3 = _vi_rows(vb_ptr, ro, so, zero + 3, PLANE, TWO)
+            s0, s1, s2, s3 = sp & 15, (sp >> 4) & 15, (sp >> 8) & 15, (sp >> 12) & 15
+            s4, s5, s6, s7 = (sp >> 16) & 15, (sp >> 20) & 15, (sp >> 24) & 15, (sp >> 28) & 15
+            p0, p1, p2, p3 = tl.exp(l0 - m_t) * kw, tl.exp(l1 - m_t) * kw, tl.exp(l2 - m_t) * kw, tl.exp(l3 - m_t) * kw
+            p4, p5, p6, p7 = tl.exp(l4 - m_t) * kw, tl.exp(l5 - m_t) * kw, tl.exp(l6 - m_t) * kw, tl.exp(l7 - m_t) * kw
+            # the next step's pages and logits (its entries arrived during this one), the entries after it
+            pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(n0, n1, n2, n3, n4, n5, n6, n7, no, pgrow, lrow, blk,
+                                                            col_ok, BLK, P, W)
+            sp = _vi_pack(n0, n1, n2, n3, n4, n5, n6, n7, W)
+            ao = no
+            n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32 * k + 64, q, own, n_items, W)
+            asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
+                     + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
+                     + p6 * tl.load(lina_ptr + s6) + p7 * tl.load(lina_ptr + s7))
+            npl = W - (f0 >> 11)
+            # four planes' rows in flight at a time
+            for j0 in tl.static_range(0, W, 4):
+                if j0 > 0:
+                    if j0 < npl:
+                        w0, w1, w2, w3 = _vi_rows(vb_ptr, ro, so, zero + j0, PLANE, TWO)
+                        u0, u1, u2, u3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 1), PLANE, TWO)
+                        v0, v1, v2, v3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 2), PLANE, TWO)
+                        t0, t1, t2, t3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 3), PLANE, TWO)
+                for i in tl.static_range(4):
+                    if j0 + i < npl:
+                        if i == 0:
+                            r0, r1, r2, r3 = w0, w1, w2, w3
+                        elif i == 1:
+                            r0, r1, r2, r3 = u0, u1, u2, u3
+                        elif i == 2:
+                            r0, r1, r2, r3 = v0, v1, v2, v3
+                        else:
+                            r0, r1, r2, r3 = t0, t1, t2, t3
+                        (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19,
+                         c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+                         d16, d17, d18, d19, d20, d21, d22, d23) = _vi_pmma(
+                            r0, r1, r2, r3, e0, e1, e2, e3, e4, e5, e6, e7, linw_ptr, s0, s1, s2, s3, s4, s5, s6, s7,
+                            p0, p1, p2, p3, p4, p5, p6, p7, sel, msk0, j0 + i, c0, c1, c2, c3, c4, c5, c6, c7, c8,
+                            c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3,
+                            d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
+                            d23, W, TWO)
+            f0 = fn
+    else:
+        for k in range(0, tl.cdiv(n_items, 32)):
+            fn = _v_first(obase, 32 * k + 32, n_items, W)
+            k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, 32 * k, q, n_items, W)
+            ko = _v_kv(obase, 32 * k + own, n_items, W)
+            ro, so, _ = _vi_entry(ko, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+            # the eight entries' depths and probabilities (their rows are dead code: only the own entry's is read)
+            _, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s2, p2 = _vi_entry(k2, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s3, p3 = _vi_entry(k3, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s4, p4 = _vi_entry(k4, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s5, p5 = _vi_entry(k5, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s6, p6 = _vi_entry(k6, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            _, s7, p7 = _vi_entry(k7, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
+            p0, p1, p2, p3, p4, p5, p6, p7 = p0 * kw, p1 * kw, p2 * kw, p3 * kw, p4 * kw, p5 * kw, p6 * kw, p7 * kw
+            asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
+                     + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
+                     + p6 * tl.load(lina_ptr + s6) + p7 * tl.load(lina_ptr + s7))
+            npl = W - (f0 >> 11)  # planes below the step's deepest entry
+            # planes unrolled: their offsets are immediates (KERNEL_NOTES run 70: B=32 T=32768 R=2 254 -> 198 us)
+            for j in tl.static_range(0, W, 2 if PAIR else 1):
+                if j < npl:
+                    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+                     c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17,
+                     d18, d19, d20, d21, d22, d23) = _vi_plane(
+                        vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, s2, s3, s4, s5, s6, s7, p0,
+                        p1, p2, p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10,
+                        c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7,
+                        d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO,
+                        PAIR)
+            f0 = fn
     # sum_t (p / S) a_s of query head n: the lanes of B column 2n (q = 0..3 cover a step's 32 entries;
     # warp 0's copy: every warp computed the same)
     ab = tl.zeros([32 * NWARP], tl.float32)

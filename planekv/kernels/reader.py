@@ -314,11 +314,16 @@ class TritonReader:
         # the int8 Value stage's planes two at a time: "auto" where it measured faster (head_dim >= 256:
         # d=256 R=2 58 -> 52 us, R=4 163 -> 142; head_dim 128 slower: 198 -> 239 us, KERNEL_NOTES run 71)
         self.imma_pair: bool | str = "auto"
-        # a register cap for the int8 Value stage: 128 registers let 16 warps per SM run it (the compiler takes
-        # 153: 12); with its transposed row loads measured faster (KERNEL_NOTES run 82: B=32 T=32768 R=4 Value
-        # stage 560 -> 493 us, d=256 140 -> 106; the cap alone on the byte-load form was slower); None: the
-        # compiler's choice
-        self.value_maxnreg: int | None = 128
+        # the int8 Value stage software-pipelined: the next step's pages, logits and list entries loaded a step
+        # ahead (its eight depths carried in one register), the plane rows four planes at a time (KERNEL_NOTES
+        # runs 88-89: B=32 T=32768 Value stage 512 -> 457 us at R=4, 186 -> 171 at R=2; d=256 unchanged); False:
+        # one step's entry -> page / logit -> row chain at a time, a row per plane
+        self.vimma_prefetch = True
+        # a register cap for the int8 Value stage: "auto" is the compiler's choice (181 registers, 11 warps per SM)
+        # for the pipelined form and 128 (16 warps per SM; the compiler takes 153: 12) for the other, where it was
+        # measured faster with the transposed row loads (run 82: R=4 560 -> 493 us); the pipelined form was
+        # slower capped (run 89: 168 registers R=4 488 us, 152 513, uncapped 457); None: no cap, an int: that cap
+        self.value_maxnreg: int | str | None = "auto"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         # max |w_tj|: the int8 Value stage's Y = rint(p w / S) stays within 2^22 with S = p_max wmax / 2^22
         self._wmax = (float(linear_tables(codec.tree)[1].abs().max()) if isinstance(codec.tree, UniformLinearTree)
@@ -527,6 +532,16 @@ class TritonReader:
             return cap
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         return 64 if sms * 7 < n_programs <= sms * 8 * 8 else None
+
+    def _value_maxnreg(self, pipelined: bool) -> int | None:
+        """The int8 Value stage's register cap (``value_maxnreg``; "auto": none for the pipelined form,
+        128 for the other)."""
+        cap = self.value_maxnreg
+        if cap == "auto":
+            return None if pipelined else 128
+        if cap is not None and (not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"value_maxnreg must be 'auto', None or a register count, got {cap!r}")
+        return cap or None
 
     @property
     def _mma_pages(self) -> int:
@@ -752,11 +767,13 @@ class TritonReader:
         if plan.value_mma and self._bits("value_bits") < 0:
             ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split
             pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
+            vpf = bool(self.vimma_prefetch) and w % 4 == 0 and w <= 12
+            vcap = self._value_maxnreg(vpf)
             _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
                                     HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, TS=ts,
-                                    PAIR=pair and w % 2 == 0,
-                                    **({"maxnreg": self.value_maxnreg} if self.value_maxnreg else {}),
+                                    PAIR=pair and w % 2 == 0 and not vpf, VPF=vpf,
+                                    **({"maxnreg": vcap} if vcap else {}),
                                     num_warps=max(1, d // 128))
         elif plan.value_mma:
             vb = self._bits("value_bits")
