@@ -965,7 +965,7 @@ def _vi_ents(obase, first, q, own, n_items, W: tl.constexpr):
 
 @triton.jit
 def _vi_pack(k0, k1, k2, k3, k4, k5, k6, k7, W: tl.constexpr):
-    """Eight list entries' depths (<= 8), 4 bits each in one int32."""
+    """Eight list entries' depths (<= W <= 15), 4 bits each in one int32 (entry i in bits 4i..4i+3)."""
     return ((W - (k0 >> 11)) | ((W - (k1 >> 11)) << 4) | ((W - (k2 >> 11)) << 8) | ((W - (k3 >> 11)) << 12)
             | ((W - (k4 >> 11)) << 16) | ((W - (k5 >> 11)) << 20) | ((W - (k6 >> 11)) << 24)
             | ((W - (k7 >> 11)) << 28))
@@ -1072,8 +1072,9 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     2n / 2n + 1 its bytes 1 / 0 (unsigned); lane (gid, q) builds column gid of its own eight entries and
     its accumulators hold query head q's sums of the three bytes. The values are the unsigned form
     ``a_s + sum_{j<s} w_sj b_j`` (``lina``, ``linw``). The plane loop is unrolled (immediate offsets);
-    PAIR takes the planes two at a time (both planes' loads issued together); VPF (without PAIR) runs
-    the next step's page, logit and entry loads a step ahead and loads the plane rows four planes at a time."""
+    PAIR takes the planes two at a time (both planes' loads issued together); VPF (without PAIR) loads
+    the list entries two steps and the pages and logits one step ahead of their use, and the plane rows
+    four planes at a time."""
     tl.static_assert(G <= 4, "three bytes of up to 4 query heads in two n-tiles")
     tl.static_assert(D % 64 == 0, "64 channels per 4 M-tiles")
     tl.static_assert(W % 2 == 0 or not PAIR, "planes in pairs need an even width")

@@ -314,10 +314,10 @@ class TritonReader:
         # the int8 Value stage's planes two at a time: "auto" where it measured faster (head_dim >= 256:
         # d=256 R=2 58 -> 52 us, R=4 163 -> 142; head_dim 128 slower: 198 -> 239 us, KERNEL_NOTES run 71)
         self.imma_pair: bool | str = "auto"
-        # the int8 Value stage software-pipelined: the next step's pages, logits and list entries loaded a step
-        # ahead (its eight depths carried in one register), the plane rows four planes at a time (KERNEL_NOTES
-        # runs 88-89: B=32 T=32768 Value stage 512 -> 457 us at R=4, 186 -> 171 at R=2; d=256 unchanged); False:
-        # one step's entry -> page / logit -> row chain at a time, a row per plane
+        # the int8 Value stage software-pipelined: the list entries loaded two steps and the pages and logits one
+        # step ahead (the next step's depths carried in one register), the plane rows four planes at a time
+        # (KERNEL_NOTES runs 88-89: B=32 T=32768 Value stage 512 -> 457 us at R=4, 186 -> 171 at R=2; d=256
+        # unchanged); False: one step's entry -> page / logit -> row chain at a time, a row per plane
         self.vimma_prefetch = True
         # a register cap for the int8 Value stage: "auto" is the compiler's choice (181 registers, 11 warps per SM)
         # for the pipelined form and 128 (16 warps per SM; the compiler takes 153: 12) for the other, where it was
