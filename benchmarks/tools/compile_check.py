@@ -308,15 +308,18 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  NSK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, BITS=2), num_warps=max(1, d // 128), sass_dir=sd, tag=tag)
-        # as the reader launches it: capped at 128 registers, or the pipelined form uncapped
-        for pair, vpf in ((False, False), (True, False), (False, True)) if g <= 4 and want(L._value_stage_imma) else ():
+        # as the reader launches each form (TritonReader._value_maxnreg): planes one or two at a time capped at
+        # 128 registers, the pipelined forms 1 uncapped and 2 at 200
+        forms = ((False, 0), (True, 0), (False, 1), (False, 2))
+        for pair, vpf in forms if g <= 4 and want(L._value_stage_imma) else ():
             compile_one(L._value_stage_imma, dict(vb_ptr="*u8", pt_ptr=P32, len_ptr=P32, logit_ptr=PI, mstat_ptr=PI,
                                                   sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
                                                   linw_ptr=PI, part_ptr=PI, wmax="fp32", SLOTS="i32", TMAX="i32",
                                                   NSK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
-                        tag=f"{tag}{'-pair' if pair else ''}{'-vpf' if vpf else ''}", maxnreg=None if vpf else 128)
+                        tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
+                        maxnreg=(128, None, 200)[vpf])
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

@@ -937,6 +937,16 @@ def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
 
 
 @triton.jit
+def _vi_rows4(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
+    """:func:`_vi_rows` of planes jj .. jj + 3 (16 words; predicated off at or below the depth s)."""
+    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO)
+    u0, u1, u2, u3 = _vi_rows(vb_ptr, r, s, jj + 1, PLANE, TWO)
+    v0, v1, v2, v3 = _vi_rows(vb_ptr, r, s, jj + 2, PLANE, TWO)
+    t0, t1, t2, t3 = _vi_rows(vb_ptr, r, s, jj + 3, PLANE, TWO)
+    return w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3
+
+
+@triton.jit
 def _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO: tl.constexpr):
     """Row words byte-transposed in the lane group (:data:`_XPOSE`, selectors e0..e7) into (x, y) of
     byte column bc and (x2, y2) of bc + 8."""
@@ -1060,7 +1070,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                       linw_ptr, part_ptr, wmax, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
                       G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                       P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr, PAIR: tl.constexpr = False,
-                      VPF: tl.constexpr = False):
+                      VPF: tl.constexpr = 0):
     """:func:`_value_stage_mma` on int8 tensor cores (GPU only: inline PTX; ``value_bits="int8"``). Per
     step of 32 list entries (the K of ``mma.m16n8k32``) lane (gid, q) holds entries 4q..4q+3 and
     16+4q..16+4q+3; per plane j below the step's deepest it loads their bytes of its byte column gid
@@ -1072,9 +1082,10 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     2n / 2n + 1 its bytes 1 / 0 (unsigned); lane (gid, q) builds column gid of its own eight entries and
     its accumulators hold query head q's sums of the three bytes. The values are the unsigned form
     ``a_s + sum_{j<s} w_sj b_j`` (``lina``, ``linw``). The plane loop is unrolled (immediate offsets);
-    PAIR takes the planes two at a time (both planes' loads issued together); VPF (without PAIR) loads
+    PAIR takes the planes two at a time (both planes' loads issued together); VPF 1 (without PAIR) loads
     the list entries two steps and the pages and logits one step ahead of their use, and the plane rows
-    four planes at a time."""
+    four planes at a time; VPF 2 also the next step's first four plane rows during this step (its own
+    entries three steps and its pages two steps ahead)."""
     tl.static_assert(G <= 4, "three bytes of up to 4 query heads in two n-tiles")
     tl.static_assert(D % 64 == 0, "64 channels per 4 M-tiles")
     tl.static_assert(W % 2 == 0 or not PAIR, "planes in pairs need an even width")
@@ -1131,35 +1142,56 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
     f0 = _v_first(obase, 0, n_items, W)
     bc = (CW // 8) * w
     if VPF:
-        # software-pipelined (KERNEL_NOTES runs 88-89): the pages and logits of step k + 1 and the list entries
+        # software-pipelined (KERNEL_NOTES runs 88-93): the pages and logits of step k + 1 and the list entries
         # of step k + 2 are loaded during step k (the next step's eight depths carried packed in one register),
         # and a step's plane rows four planes at a time, so that it waits on one row round trip per four planes
         # instead of one per plane after the entry -> page / logit chain (B=32 T=32768 Value stage 512 -> 457 us
-        # at R=4, 186 -> 171 at R=2)
+        # at R=4, 186 -> 171 at R=2); VPF 2 issues step k + 1's first four rows during step k as well (457 -> 414,
+        # 171 -> 153)
         a0, a1, a2, a3, a4, a5, a6, a7, ao = _vi_ents(obase, 0, q, own, n_items, W)
         pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(a0, a1, a2, a3, a4, a5, a6, a7, ao, pgrow, lrow, blk, col_ok,
                                                         BLK, P, W)
         n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32, q, own, n_items, W)
         sp = _vi_pack(a0, a1, a2, a3, a4, a5, a6, a7, W)
-        for k in range(0, tl.cdiv(n_items, 32)):
-            fn = _v_first(obase, 32 * k + 32, n_items, W)
+        if VPF == 2:  # step 0's rows, step 1's page, step 2's own entry
             ro = (pg.to(tl.int64) * (W * P) + (ao & 2047) % P) * NB8 + bc
             so = W - (ao >> 11)
-            w0, w1, w2, w3 = _vi_rows(vb_ptr, ro, so, zero, PLANE, TWO)
-            # planes 1..3's rows with plane 0's (predicated off at or below the own entry's depth)
-            u0, u1, u2, u3 = _vi_rows(vb_ptr, ro, so, zero + 1, PLANE, TWO)
-            v0, v1, v2, v3 = _vi_rows(vb_ptr, ro, so, zero + 2, PLANE, TWO)
-            t0, t1, t2, t3 = _vi_rows(vb_ptr, ro, so, zero + 3, PLANE, TWO)
+            (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
+                vb_ptr, ro, so, zero, PLANE, TWO)
+            pg1, _ = _v_fetch(no, pgrow, lrow, blk, col_ok, BLK, P, W)
+            ao1 = no
+            ao2 = _v_kv(obase, 64 + own, n_items, W)
+        for k in range(0, tl.cdiv(n_items, 32)):
+            fn = _v_first(obase, 32 * k + 32, n_items, W)
+            if VPF == 2:  # the next step's rows (its page arrived during the last step)
+                ro1 = (pg1.to(tl.int64) * (W * P) + (ao1 & 2047) % P) * NB8 + bc
+                so1 = W - (ao1 >> 11)
+                (wn0, wn1, wn2, wn3, un0, un1, un2, un3, vn0, vn1, vn2, vn3, tn0, tn1, tn2,
+                 tn3) = _vi_rows4(vb_ptr, ro1, so1, zero, PLANE, TWO)
+            else:
+                ro = (pg.to(tl.int64) * (W * P) + (ao & 2047) % P) * NB8 + bc
+                so = W - (ao >> 11)
+                # planes 0..3's rows (predicated off at or below the own entry's depth)
+                (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
+                    vb_ptr, ro, so, zero, PLANE, TWO)
             s0, s1, s2, s3 = sp & 15, (sp >> 4) & 15, (sp >> 8) & 15, (sp >> 12) & 15
             s4, s5, s6, s7 = (sp >> 16) & 15, (sp >> 20) & 15, (sp >> 24) & 15, (sp >> 28) & 15
             p0, p1, p2, p3 = tl.exp(l0 - m_t) * kw, tl.exp(l1 - m_t) * kw, tl.exp(l2 - m_t) * kw, tl.exp(l3 - m_t) * kw
             p4, p5, p6, p7 = tl.exp(l4 - m_t) * kw, tl.exp(l5 - m_t) * kw, tl.exp(l6 - m_t) * kw, tl.exp(l7 - m_t) * kw
-            # the next step's pages and logits (its entries arrived during this one), the entries after it
-            pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(n0, n1, n2, n3, n4, n5, n6, n7, no, pgrow, lrow, blk,
-                                                            col_ok, BLK, P, W)
-            sp = _vi_pack(n0, n1, n2, n3, n4, n5, n6, n7, W)
-            ao = no
-            n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32 * k + 64, q, own, n_items, W)
+            if VPF == 2:  # the next step's logits, the page of the one after it, entries further on
+                pg1, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(n0, n1, n2, n3, n4, n5, n6, n7, ao2, pgrow, lrow,
+                                                                 blk, col_ok, BLK, P, W)
+                sp = _vi_pack(n0, n1, n2, n3, n4, n5, n6, n7, W)
+                ao1 = ao2
+                n0, n1, n2, n3, n4, n5, n6, n7 = _vi_kvs(obase, 32 * k + 64, q, n_items, W)
+                ao2 = _v_kv(obase, 32 * k + 96 + own, n_items, W)
+            else:
+                # the next step's pages and logits (its entries arrived during this one), the entries after it
+                pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(n0, n1, n2, n3, n4, n5, n6, n7, no, pgrow, lrow,
+                                                                blk, col_ok, BLK, P, W)
+                sp = _vi_pack(n0, n1, n2, n3, n4, n5, n6, n7, W)
+                ao = no
+                n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32 * k + 64, q, own, n_items, W)
             asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
                      + p3 * tl.load(lina_ptr + s3) + p4 * tl.load(lina_ptr + s4) + p5 * tl.load(lina_ptr + s5)
                      + p6 * tl.load(lina_ptr + s6) + p7 * tl.load(lina_ptr + s7))
@@ -1168,10 +1200,8 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
             for j0 in tl.static_range(0, W, 4):
                 if j0 > 0:
                     if j0 < npl:
-                        w0, w1, w2, w3 = _vi_rows(vb_ptr, ro, so, zero + j0, PLANE, TWO)
-                        u0, u1, u2, u3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 1), PLANE, TWO)
-                        v0, v1, v2, v3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 2), PLANE, TWO)
-                        t0, t1, t2, t3 = _vi_rows(vb_ptr, ro, so, zero + (j0 + 3), PLANE, TWO)
+                        (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
+                            vb_ptr, ro, so, zero + j0, PLANE, TWO)
                 for i in tl.static_range(4):
                     if j0 + i < npl:
                         if i == 0:
@@ -1190,6 +1220,11 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                             c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3,
                             d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
                             d23, W, TWO)
+            if VPF == 2:
+                w0, w1, w2, w3, u0, u1, u2, u3 = wn0, wn1, wn2, wn3, un0, un1, un2, un3
+                v0, v1, v2, v3, t0, t1, t2, t3 = vn0, vn1, vn2, vn3, tn0, tn1, tn2, tn3
+                ro = ro1
+                so = so1
             f0 = fn
     else:
         for k in range(0, tl.cdiv(n_items, 32)):

@@ -314,15 +314,17 @@ class TritonReader:
         # the int8 Value stage's planes two at a time: "auto" where it measured faster (head_dim >= 256:
         # d=256 R=2 58 -> 52 us, R=4 163 -> 142; head_dim 128 slower: 198 -> 239 us, KERNEL_NOTES run 71)
         self.imma_pair: bool | str = "auto"
-        # the int8 Value stage software-pipelined: the list entries loaded two steps and the pages and logits one
-        # step ahead (the next step's depths carried in one register), the plane rows four planes at a time
-        # (KERNEL_NOTES runs 88-89: B=32 T=32768 Value stage 512 -> 457 us at R=4, 186 -> 171 at R=2; d=256
-        # unchanged); False: one step's entry -> page / logit -> row chain at a time, a row per plane
-        self.vimma_prefetch = True
-        # a register cap for the int8 Value stage: "auto" is the compiler's choice (181 registers, 11 warps per SM)
-        # for the pipelined form and 128 (16 warps per SM; the compiler takes 153: 12) for the other, where it was
-        # measured faster with the transposed row loads (run 82: R=4 560 -> 493 us); the pipelined form was
-        # slower capped (run 89: 168 registers R=4 488 us, 152 513, uncapped 457); None: no cap, an int: that cap
+        # the int8 Value stage software-pipelined: 1 loads the list entries two steps and the pages and logits one
+        # step ahead (the next step's depths carried in one register) and the plane rows four planes at a time; 2
+        # (the default) also the next step's first four plane rows a step ahead (own entries three steps and pages
+        # two steps ahead); 0: one step's entry -> page / logit -> row chain at a time, a row per plane. KERNEL_NOTES
+        # runs 88-93, B=32 T=32768 Value stage (us) 0 / 1 / 2: 186 / 171 / 153 at R=2, 512 / 457 / 414 at R=4; d=256
+        # 41 / 41 / 36, 104 / 105 / 85
+        self.vimma_prefetch = 2
+        # a register cap for the int8 Value stage: "auto" is 128 for form 0 (16 warps per SM; the compiler takes
+        # 153: 12; measured faster with the transposed row loads, run 82: R=4 560 -> 493 us), none for form 1 (181
+        # registers, 11 warps; capped at 168 / 152 slower, run 89) and 200 for form 2 (10 warps; uncapped 205 and
+        # 184 slower, run 92); None: no cap, an int: that cap
         self.value_maxnreg: int | str | None = "auto"
         self._vscale = value_scale(codec.tree) if isinstance(codec.tree, UniformLinearTree) else 1.0
         # max |w_tj|: the int8 Value stage's Y = rint(p w / S) stays within 2^22 with S = p_max wmax / 2^22
@@ -533,12 +535,12 @@ class TritonReader:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
         return 64 if sms * 7 < n_programs <= sms * 8 * 8 else None
 
-    def _value_maxnreg(self, pipelined: bool) -> int | None:
-        """The int8 Value stage's register cap (``value_maxnreg``; "auto": none for the pipelined form,
-        128 for the other)."""
+    def _value_maxnreg(self, form: int) -> int | None:
+        """The int8 Value stage's register cap for its form (``vimma_prefetch`` 0, 1, 2) from
+        ``value_maxnreg``; "auto": 128, none, 200."""
         cap = self.value_maxnreg
         if cap == "auto":
-            return None if pipelined else 128
+            return (128, None, 200)[form]
         if cap is not None and (not isinstance(cap, int) or cap < 0):
             raise ValueError(f"value_maxnreg must be 'auto', None or a register count, got {cap!r}")
         return cap or None
@@ -767,7 +769,9 @@ class TritonReader:
         if plan.value_mma and self._bits("value_bits") < 0:
             ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split
             pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
-            vpf = bool(self.vimma_prefetch) and w % 4 == 0 and w <= 12
+            vpf = int(self.vimma_prefetch) if w % 4 == 0 and w <= 12 else 0
+            if vpf not in (0, 1, 2):
+                raise ValueError(f"vimma_prefetch must be 0, 1 or 2, got {self.vimma_prefetch!r}")
             vcap = self._value_maxnreg(vpf)
             _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,

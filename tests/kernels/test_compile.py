@@ -44,10 +44,10 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     # + two-pass Value allocation, 2 x (importance histogram, gated radix pass 1, bracket, candidates, exact)
     # + the bit-product Key stage (linear codebooks): its operand kernel and the stage, fp16 and int8
     # + the bit-product Value stage and the depth-sorted value order (flexible) it reads
-    # + the int8 Value stage, planes one and two at a time, and its software-pipelined form
+    # + the int8 Value stage, planes one and two at a time, and its two software-pipelined forms
     # + the depth-sorted order's block-wide slots, the gated tie counts (both readers)
     n_radix = NPASS.value - 1
     assert len(recs) == (3 * 4 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5 + 2
-                         + 2 + 2 + 2 + 1 + 1 + 2)
+                         + 2 + 2 + 2 + 1 + 2 + 2)
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

@@ -492,19 +492,19 @@ def test_int8_key_stage_register_cap_follows_the_grid(monkeypatch) -> None:
 
 
 def test_int8_value_stage_register_cap_follows_its_form() -> None:
-    """``value_maxnreg="auto"``: no cap for the software-pipelined int8 Value stage (the default), 128
-    registers for the one-step form (KERNEL_NOTES runs 82 and 89); an explicit count applies to both."""
+    """``value_maxnreg="auto"``: 128 registers for the one-step int8 Value stage, no cap for the pipelined
+    form 1, 200 for form 2 (the default; KERNEL_NOTES runs 82, 89, 92); an explicit count applies to all."""
     codec, _, _ = _linear_cache(8, 2, 5, [64])
     reader = TritonReader(codec, ReadPolicy.flexible(2.0, 0.875))
-    assert reader.vimma_prefetch is True and reader.value_maxnreg == "auto"
-    assert reader._value_maxnreg(True) is None and reader._value_maxnreg(False) == 128
+    assert reader.vimma_prefetch == 2 and reader.value_maxnreg == "auto"
+    assert [reader._value_maxnreg(f) for f in (0, 1, 2)] == [128, None, 200]
     reader.value_maxnreg = 168
-    assert reader._value_maxnreg(True) == 168 and reader._value_maxnreg(False) == 168
+    assert [reader._value_maxnreg(f) for f in (0, 1, 2)] == [168] * 3
     reader.value_maxnreg = None
-    assert reader._value_maxnreg(False) is None
+    assert reader._value_maxnreg(0) is None
     reader.value_maxnreg = "many"
     with pytest.raises(ValueError, match="value_maxnreg"):
-        reader._value_maxnreg(True)
+        reader._value_maxnreg(2)
 
 @pytest.mark.parametrize("rate,blk", [(2.0, 512), (4.0, 256)])
 def test_chunked_depth_order_equals_the_block_wide_one(rate: float, blk: int) -> None:
