@@ -1145,9 +1145,9 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
         # software-pipelined (KERNEL_NOTES runs 88-93): the pages and logits of step k + 1 and the list entries
         # of step k + 2 are loaded during step k (the next step's eight depths carried packed in one register),
         # and a step's plane rows four planes at a time, so that it waits on one row round trip per four planes
-        # instead of one per plane after the entry -> page / logit chain (B=32 T=32768 Value stage 512 -> 457 us
-        # at R=4, 186 -> 171 at R=2); VPF 2 issues step k + 1's first four rows during step k as well (457 -> 414,
-        # 171 -> 153)
+        # instead of one per plane after the entry -> page / logit chain (run 89, B=32 T=32768 Value stage 512 ->
+        # 457 us at R=4, 186 -> 171 at R=2); VPF 2 issues step k + 1's first four rows during step k as well (run
+        # 92: 442 -> 415, 166 -> 153)
         a0, a1, a2, a3, a4, a5, a6, a7, ao = _vi_ents(obase, 0, q, own, n_items, W)
         pg, l0, l1, l2, l3, l4, l5, l6, l7 = _vi_fetch9(a0, a1, a2, a3, a4, a5, a6, a7, ao, pgrow, lrow, blk, col_ok,
                                                         BLK, P, W)

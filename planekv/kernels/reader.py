@@ -317,9 +317,9 @@ class TritonReader:
         # the int8 Value stage software-pipelined: 1 loads the list entries two steps and the pages and logits one
         # step ahead (the next step's depths carried in one register) and the plane rows four planes at a time; 2
         # (the default) also the next step's first four plane rows a step ahead (own entries three steps and pages
-        # two steps ahead); 0: one step's entry -> page / logit -> row chain at a time, a row per plane. KERNEL_NOTES
-        # runs 88-93, B=32 T=32768 Value stage (us) 0 / 1 / 2: 186 / 171 / 153 at R=2, 512 / 457 / 414 at R=4; d=256
-        # 41 / 41 / 36, 104 / 105 / 85
+        # two steps ahead); 0: one step's entry -> page / logit -> row chain at a time, a row per plane. B=32
+        # T=32768 Value stage, form 0 -> 1 (KERNEL_NOTES run 89): 186 -> 171 us at R=2, 512 -> 457 at R=4; form
+        # 1 -> 2 (run 92): 166 -> 153, 442 -> 415; d=256 (run 92) 41 -> 36, 104 -> 85
         self.vimma_prefetch = 2
         # a register cap for the int8 Value stage: "auto" is 128 for form 0 (16 warps per SM; the compiler takes
         # 153: 12; measured faster with the transposed row loads, run 82: R=4 560 -> 493 us), none for form 1 (181
