@@ -26,7 +26,7 @@ from planekv.kernels import encode as E
 from planekv.kernels import fp8 as F
 from planekv.kernels import linear as L
 from planekv.kernels import refine as R
-from planekv.kernels.reader import MMA_WARPS
+from planekv.kernels.reader import MMA_WARPS, VALUE_MAXNREG
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -319,7 +319,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                         dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
                         tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
-                        maxnreg=(128, None, 200)[vpf])
+                        maxnreg=VALUE_MAXNREG[vpf])
         if want(K._combine):
             compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
                         dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)

@@ -640,10 +640,16 @@ def _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr, W
 
 
 @triton.jit
+def _v_row(kv, page, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr):
+    """(offset of list entry kv's plane-0 byte in column bc, given its page; its depth)."""
+    return (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc, W - (kv >> 11)
+
+
+@triton.jit
 def _v_entry(kv, page, lg, m_t, iz_t, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr):
     """(offset of the entry's plane-0 byte in column bc, its depth, its probability x the B scale)."""
-    row = (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc
-    return row, W - (kv >> 11), tl.exp(lg - m_t) * iz_t
+    row, dep = _v_row(kv, page, bc, W, P, NB8)
+    return row, dep, tl.exp(lg - m_t) * iz_t
 
 
 @triton.jit
@@ -892,8 +898,8 @@ def _vi_entry(kv, pgrow, lrow, blk, col_ok, m_t, bc, BLK: tl.constexpr, W: tl.co
               NB8: tl.constexpr):
     """(byte offset of the entry's plane-0 byte in column bc, its depth, exp(logit - the block's max))."""
     page, lg = _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK, P, W)
-    row = (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc
-    return row, W - (kv >> 11), tl.exp(lg - m_t)
+    row, dep = _v_row(kv, page, bc, W, P, NB8)
+    return row, dep, tl.exp(lg - m_t)
 
 
 @triton.jit
@@ -1154,8 +1160,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
         n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32, q, own, n_items, W)
         sp = _vi_pack(a0, a1, a2, a3, a4, a5, a6, a7, W)
         if VPF == 2:  # step 0's rows, step 1's page, step 2's own entry
-            ro = (pg.to(tl.int64) * (W * P) + (ao & 2047) % P) * NB8 + bc
-            so = W - (ao >> 11)
+            ro, so = _v_row(ao, pg, bc, W, P, NB8)
             (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
                 vb_ptr, ro, so, zero, PLANE, TWO)
             pg1, _ = _v_fetch(no, pgrow, lrow, blk, col_ok, BLK, P, W)
@@ -1164,13 +1169,11 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
         for k in range(0, tl.cdiv(n_items, 32)):
             fn = _v_first(obase, 32 * k + 32, n_items, W)
             if VPF == 2:  # the next step's rows (its page arrived during the last step)
-                ro1 = (pg1.to(tl.int64) * (W * P) + (ao1 & 2047) % P) * NB8 + bc
-                so1 = W - (ao1 >> 11)
+                ro1, so1 = _v_row(ao1, pg1, bc, W, P, NB8)
                 (wn0, wn1, wn2, wn3, un0, un1, un2, un3, vn0, vn1, vn2, vn3, tn0, tn1, tn2,
                  tn3) = _vi_rows4(vb_ptr, ro1, so1, zero, PLANE, TWO)
             else:
-                ro = (pg.to(tl.int64) * (W * P) + (ao & 2047) % P) * NB8 + bc
-                so = W - (ao >> 11)
+                ro, so = _v_row(ao, pg, bc, W, P, NB8)
                 # planes 0..3's rows (predicated off at or below the own entry's depth)
                 (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
                     vb_ptr, ro, so, zero, PLANE, TWO)

@@ -120,6 +120,8 @@ ASSEMBLY = ("transpose", "serial", "fma")
 # warps (64-token pages) per program of the bit-product Key stage (KERNEL_NOTES run 46: 8 with a
 # two-step prefetch measured fastest)
 MMA_WARPS = 8
+# the int8 Value stage's register cap per form (vimma_prefetch 0, 1, 2) under value_maxnreg="auto" (None: none)
+VALUE_MAXNREG = (128, None, 200)
 KEY_BITS = ("shifted", "in-place", "int8")  # TritonReader.key_bits
 VALUE_BITS = (*MMA_BITS, "int8")  # TritonReader.value_bits
 
@@ -540,7 +542,7 @@ class TritonReader:
         ``value_maxnreg``; "auto": 128, none, 200."""
         cap = self.value_maxnreg
         if cap == "auto":
-            return (128, None, 200)[form]
+            return VALUE_MAXNREG[form]
         if cap is not None and (not isinstance(cap, int) or cap < 0):
             raise ValueError(f"value_maxnreg must be 'auto', None or a register count, got {cap!r}")
         return cap or None
@@ -769,9 +771,9 @@ class TritonReader:
         if plan.value_mma and self._bits("value_bits") < 0:
             ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split
             pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
-            vpf = int(self.vimma_prefetch) if w % 4 == 0 and w <= 12 else 0
-            if vpf not in (0, 1, 2):
+            if self.vimma_prefetch not in (0, 1, 2):
                 raise ValueError(f"vimma_prefetch must be 0, 1 or 2, got {self.vimma_prefetch!r}")
+            vpf = int(self.vimma_prefetch) if w % 4 == 0 and w <= 12 else 0
             vcap = self._value_maxnreg(vpf)
             _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
