@@ -66,6 +66,12 @@ def main() -> int:
                 row = {"shape": name, "system": system, "variant": spec, "codebook": args.codebook, "ms": ms,
                        "sdpa_ms": sdpa}
                 print(f"{name} {system} [{spec or 'default'}] {ms:.4f} ms x{ms / sdpa:.3f} SDPA")
+                if plan.two_pass:  # the last step's two-pass allocation: brackets that fell back, candidates
+                    cm = plan.cmeta[:, :5].cpu()
+                    row["alloc"] = al = {"groups": cm.shape[0], "fallback_groups": int(cm[:, 4].sum()),
+                                         "cand_mean": round(float(cm[:, 2].float().mean()), 1),
+                                         "cand_max": int(cm[:, 2].max())}
+                    print("  alloc " + ", ".join(f"{k}={v}" for k, v in al.items()))
                 if args.check:
                     row["check"] = chk = _check(reader, plan, data, data.codec)
                     print("  check " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"

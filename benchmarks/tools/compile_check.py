@@ -87,19 +87,39 @@ def main() -> None:
 
 
 def compile_alloc2(hk: int, hg: int, d: int, ks_v: int, kspv: int, min_v: int, pk: int, nw: int, sd: str | None,
-                   t: str, want) -> None:
-    """The kernels of planekv.kernels.alloc2 (two-pass Value allocation) for one geometry and reader."""
+                   t: str, want, hq: int = 0, g2: int = 1) -> None:
+    """The kernels of planekv.kernels.alloc2 (two-pass Value allocation) for one geometry and reader:
+    with the full importance histogram, and (hq > 0) with the sampled one (the sample's histogram, the
+    bracket that scales it, the candidates pass that computes the importances) and the candidates'
+    histogram that the binned exact pass reads."""
     g = dict(USE_RATE=True, HKV=hk, HG=hg, D=d, W=8, MIN_V=min_v, PACKET=pk, KS=ks_v)
-    if want(A2._v_bracket):
-        compile_one(A2._v_bracket, dict(ihist_ptr=P32, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, RATE="fp64", BK="i32",
-                                        BV_FIXED="i32"), dict(KS_PAD=kspv, **g), num_warps=4, sass_dir=sd, tag=t)
-    if want(A2._v_cand):
-        compile_one(A2._v_cand, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, cand_ptr=P32, TMAX="i32",
-                                     RATE="fp64", BK="i32", BV_FIXED="i32", CAP="i32"),
-                    dict(BLK=1024, KS_PAD=kspv, **g), num_warps=nw, sass_dir=sd, tag=t)
+    imp = dict(HQ=hq, G=hq // hk if hq else 1, G2=g2, NSK_PAD=128, HEAD_WEIGHT=True)
+    for sample in (1, 16) if hq else (1,):
+        ts = t + ("-s" if sample > 1 else "")
+        cb, cbp = (dict(CBINS=4096), dict(cbins_ptr=P32)) if sample > 1 else (dict(CBINS=0), {})
+        if want(A2._v_bracket):
+            compile_one(A2._v_bracket, dict(ihist_ptr=P32, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, RATE="fp64",
+                                            BK="i32", BV_FIXED="i32", SLACK="fp32", ZS="fp32", **cbp),
+                        dict(KS_PAD=kspv, SAMPLE=sample, **g, **cb), num_warps=4, sass_dir=sd, tag=ts)
+        if want(A2._v_cand):
+            extra = dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, hw_ptr=PI, NSK="i32") if sample > 1 else {}
+            compile_one(A2._v_cand, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, cmeta_ptr=P32, cand_ptr=P32, TMAX="i32",
+                                         RATE="fp64", BK="i32", BV_FIXED="i32", CAP="i32", **extra, **cbp),
+                        dict(BLK=1024, KS_PAD=kspv, **g, **cb,
+                             **(dict(FROM_LOGITS=True, **imp) if sample > 1 else {})),
+                        num_warps=nw, sass_dir=sd, tag=ts)
+        if sample > 1 and want(A2._v_exact):  # the binned exact pass
+            compile_one(A2._v_exact, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, RATE="fp64",
+                                          BK="i32", BV_FIXED="i32", **cbp), dict(CAP=65536, SMALL=4096, **g, **cb),
+                        num_warps=8, sass_dir=sd, tag=ts)
+        if sample > 1 and want(A2._value_sample):
+            compile_one(A2._value_sample, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, hw_ptr=PI,
+                                               ihist_ptr=P32, TMAX="i32", NSK="i32"),
+                        dict(HKV=hk, HG=hg, TOK=8192, SAMPLE=sample, **imp), num_warps=4, sass_dir=sd, tag=ts)
     if want(A2._v_exact):
         compile_one(A2._v_exact, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, RATE="fp64", BK="i32",
-                                      BV_FIXED="i32"), dict(CAP=32768, **g), num_warps=16, sass_dir=sd, tag=t)
+                                      BV_FIXED="i32"), dict(CAP=32768, CBINS=0, **g), num_warps=16, sass_dir=sd,
+                    tag=t)
 
 
 def compile_refine(hq: int, hk: int, hg: int, hgp: int, g: int, g2: int, d: int, radix_passes: tuple[int, ...],
@@ -226,7 +246,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                      TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32", NBLK="i32"),
                                 dict(USE_RATE=True, PASS=1, HKV=hk, HG=hg, GATED=True, FUSED=True, RHIST=1, **vc),
                                 num_warps=nw, sass_dir=sd, tag=f"{t}p1")
-                compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want)
+                compile_alloc2(hk, hg, d, ks_v, kspv, min_v, pk, nw, sd, t, want, hq=hq, g2=g2)
                 for gate in (False, True) if want(K._value_ties) else ():  # gated: the two-pass allocation's
                     compile_one(K._value_ties, dict(vimp_ptr=PI, len_ptr=P32, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
                                                     TMAX="i32", RATE="fp64", BK="i32", BV_FIXED="i32",

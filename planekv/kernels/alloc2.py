@@ -20,6 +20,12 @@ of 4 bits. Here (docs/KERNEL_NOTES.md, runs 33-34):
                                              so that the tie counts (_value_ties, TIE_GATE) are
                                              needed only where some keys at lambda are not taken
 
+With a sampled bracket (``TritonReader.hist_sample`` = S > 1) the first two steps change: the
+histogram counts 1 in S tokens (``_value_sample``: runs of 8 every 8 S positions), the bracket is
+widened for the sample's error and ``_v_cand`` computes and stores every importance itself (no
+per-token atomics anywhere); ``_v_exact`` checks that the bracket held lambda, and a group where it
+did not falls back to the radix passes like an overflowed one, so the result is exact either way.
+
 Downstream kernels (ties, compaction, Value stage) read lambda as before. The result is the radix
 select's: both rank the same float32 keys.
 """
@@ -37,6 +43,7 @@ from .decode import (
     NPASS,
     SELBASE,
     _block_prog,
+    _importance,
     _load_scalar,
     _steps_above,
     _v_count,
@@ -69,9 +76,16 @@ def _first_below(above_ptr, count, r, kok, MARGIN: tl.constexpr):
 @triton.jit
 def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, HKV: tl.constexpr,
                HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-               KS: tl.constexpr, KS_PAD: tl.constexpr):
+               KS: tl.constexpr, KS_PAD: tl.constexpr, SAMPLE: tl.constexpr = 1, SLACK=0.0, ZS=0.0,
+               CBINS: tl.constexpr = 0, cbins_ptr=None):
     """One program per group: (lo, hi] with #{keys > hi} < count <= #{keys > lo} for sure, so lambda
-    lies in it; the candidate and above-hi counters start at zero."""
+    lies in it; the candidate and above-hi counters start at zero. SAMPLE > 1 (the histograms hold 1
+    in SAMPLE tokens, :func:`_value_sample`): the counts are estimates, SAMPLE x the sample's, so the
+    bracket is widened on each side by SLACK x count + ZS x sqrt(8 SAMPLE count) + 8 SAMPLE keys (ZS
+    standard deviations of the estimate when runs of 8 tokens are sampled whole and each run holds at
+    most 8 of the keys above: Var <= 8 SAMPLE count), and it may still miss (the exact pass checks,
+    :func:`_v_exact`). CBINS > 0: the candidates' histogram (:func:`_v_cand`) starts at zero, and
+    cmeta word 6 holds its bins' width, 2^shift keys, the smallest that spans (lo, hi] in CBINS bins."""
     grp = tl.program_id(0)
     b = grp // (HKV // HG)
     T = _load_scalar(len_ptr + b)
@@ -87,70 +101,148 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
     kk = tl.arange(0, KS_PAD)
     kok = kk < KS
     r = tl.load(r_ptr + kk, mask=kok, other=1.0)
+    if SAMPLE > 1:  # sample counts: hi where SAMPLE x B(x) < count - slack, lo where it reaches count + slack
+        cf = count.to(tl.float32)
+        slack = (cf * SLACK + ZS * tl.sqrt(8.0 * SAMPLE * cf)).to(tl.int32) + 8 * SAMPLE
+        c_hi = tl.maximum(count - slack, 0) // SAMPLE  # 0: no x qualifies, hi = +inf (nothing above)
+        c_lo = (count + slack + SAMPLE - 1) // SAMPLE
+    else:
+        c_hi = count
+        c_lo = count
     # hi: the smallest x whose upper bound (a bin of margin below) is under count
-    hi = _first_below(above_ptr, count, r, kok, -1)
+    hi = _first_below(above_ptr, c_hi, r, kok, -1)
     # lo: the largest x whose lower bound (two bins of margin above) still reaches count; -1 when even
     # x = 0 leaves fewer than count above: every key (>= 0) is a candidate
-    lo = _first_below(above_ptr, count, r, kok, 2) - 1
+    lo = _first_below(above_ptr, c_lo, r, kok, 2) - 1
+    lo = tl.minimum(lo, hi)  # (already so unless SLACK < 0; an empty bracket misses, see _v_exact)
+    shift = count * 0
+    if CBINS > 0:
+        span1 = hi - lo - 1  # the bracket's keys are lo + 1 + [0, span1]
+        for k in tl.static_range(31):  # the smallest shift with span1 >> shift < CBINS
+            shift += ((span1 >> k) >= CBINS).to(tl.int32)
+        zb = tl.arange(0, CBINS)
+        tl.store(cbins_ptr + grp * CBINS + zb, tl.zeros([CBINS], tl.int32))
     cc = tl.arange(0, CMETA)
-    vals = tl.where(cc == 0, lo, tl.where(cc == 1, hi, 0))
+    vals = tl.where(cc == 0, lo, tl.where(cc == 1, hi, tl.where(cc == 6, shift, 0)))
     tl.store(cmeta_ptr + grp * CMETA + cc, vals)
 
 
 @triton.jit
 def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FIXED, CAP, USE_RATE: tl.constexpr,
             HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
-            KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr):
-    """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP).
+            KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+            FROM_LOGITS: tl.constexpr = False, logit_ptr=None, mstat_ptr=None, sstat_ptr=None, hw_ptr=None, NSK=1,
+            HQ: tl.constexpr = 1, G: tl.constexpr = 1, G2: tl.constexpr = 1, NSK_PAD: tl.constexpr = 1,
+            HEAD_WEIGHT: tl.constexpr = False, CBINS: tl.constexpr = 0, cbins_ptr=None):
+    """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP) and,
+    with CBINS, counted in the group's histogram of CBINS bins over (lo, hi] (for :func:`_v_exact`).
+    FROM_LOGITS (the sampled bracket, whose histogram pass did not write them): the block's
+    importances computed here from the logits and stored first, as :func:`_value_hist` stores them.
 
     A token's keys do not increase with the step (``_steps_above``), so its candidates are the
     steps n_hi .. n_lo - 1: everything is per token (KS products each, one prefix sum over the
     block), not per (step, token) pair."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    if (blk * BLK < T) & (count > 0):
-        meta = cmeta_ptr + grp * CMETA
-        lo = _load_scalar(meta)
-        hi = _load_scalar(meta + 1)
+    if blk * BLK < T:
         pos = blk * BLK + tl.arange(0, BLK)
         valid = pos < T
-        bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
-        n_hi, n_lo = _steps_above(bimp, r_ptr, hi, lo, KS)
-        n_hi = tl.where(valid, n_hi, 0)
-        nc = tl.where(valid, n_lo, 0) - n_hi  # this token's candidates
-        n_above = tl.sum(n_hi, 0)
-        n = tl.sum(nc, 0)
-        if n_above > 0:
-            tl.atomic_add(meta + 3, n_above, sem="relaxed")
-        if n > 0:
-            off = tl.atomic_add(meta + 2, n, sem="relaxed")
-            slot = off + tl.cumsum(nc, 0) - nc
-            c_max = tl.max(nc, 0)
-            for j in tl.static_range(KS):
-                if j < c_max:
-                    kj = tl.minimum(n_hi + j, KS - 1)
-                    key = (bimp * tl.load(r_ptr + kj)).to(tl.int32, bitcast=True)
-                    tl.store(cand_ptr + grp * CAP + slot + j, key, mask=(j < nc) & (slot + j < CAP))
+        if FROM_LOGITS:
+            bimp = _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ, HKV, G, G2,
+                               NSK_PAD, HEAD_WEIGHT)
+            tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=valid)
+        else:
+            bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+        if count > 0:
+            meta = cmeta_ptr + grp * CMETA
+            lo = _load_scalar(meta)
+            hi = _load_scalar(meta + 1)
+            n_hi, n_lo = _steps_above(bimp, r_ptr, hi, lo, KS)
+            n_hi = tl.where(valid, n_hi, 0)
+            nc = tl.where(valid, n_lo, 0) - n_hi  # this token's candidates
+            n_above = tl.sum(n_hi, 0)
+            n = tl.sum(nc, 0)
+            if n_above > 0:
+                tl.atomic_add(meta + 3, n_above, sem="relaxed")
+            if n > 0:
+                off = tl.atomic_add(meta + 2, n, sem="relaxed")
+                slot = off + tl.cumsum(nc, 0) - nc
+                c_max = tl.max(nc, 0)
+                for j in tl.static_range(KS):
+                    if j < c_max:
+                        kj = tl.minimum(n_hi + j, KS - 1)
+                        key = (bimp * tl.load(r_ptr + kj)).to(tl.int32, bitcast=True)
+                        tl.store(cand_ptr + grp * CAP + slot + j, key, mask=(j < nc) & (slot + j < CAP))
+                        if CBINS > 0:
+                            cb = (key - lo - 1) >> _load_scalar(meta + 6)
+                            tl.atomic_add(cbins_ptr + grp * CBINS + cb, tl.full(cb.shape, 1, tl.int32), mask=j < nc,
+                                          sem="relaxed")
+
+
+@triton.jit
+def _bisect_chunks(cbase, n_scan, a, z, need_s, CH: tl.constexpr):
+    """lambda = the largest x in [a, z] with #{keys >= x} >= need_s among cbase[0, n_scan), counting
+    chunks of CH keys for each step (L1-resident after the first); and #{keys > lambda}, #{keys ==
+    lambda}."""
+    cc = tl.arange(0, CH)
+    while a < z:
+        mid = a + (z - a + 1) // 2
+        n_ge = mid * 0
+        for c0 in range(0, n_scan, CH):
+            keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_scan, other=-1)
+            n_ge += tl.sum((keys >= mid).to(tl.int32), 0)
+        ok = n_ge >= need_s
+        a = tl.where(ok, mid, a)
+        z = tl.where(ok, z, mid - 1)
+    n_gt = a * 0
+    n_eq = a * 0
+    for c0 in range(0, n_scan, CH):
+        keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_scan, other=-1)
+        n_gt += tl.sum((keys > a).to(tl.int32), 0)
+        n_eq += tl.sum((keys == a).to(tl.int32), 0)
+    return a, n_gt, n_eq
+
+
+@triton.jit
+def _bisect_regs(cbase, n_scan, a, z, need_s, SM: tl.constexpr):
+    """:func:`_bisect_chunks` for n_scan <= SM keys, held in registers: one load, then a reduction per
+    step."""
+    sm = tl.arange(0, SM)
+    keys = tl.load(cbase + sm, mask=sm < n_scan, other=-1)
+    while a < z:
+        mid = a + (z - a + 1) // 2
+        ok = tl.sum((keys >= mid).to(tl.int32), 0) >= need_s
+        a = tl.where(ok, mid, a)
+        z = tl.where(ok, z, mid - 1)
+    return a, tl.sum((keys > a).to(tl.int32), 0), tl.sum((keys == a).to(tl.int32), 0)
 
 
 @triton.jit
 def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, HKV: tl.constexpr,
              HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-             KS: tl.constexpr, CAP: tl.constexpr):
+             KS: tl.constexpr, CAP: tl.constexpr, CBINS: tl.constexpr = 0, cbins_ptr=None,
+             SMALL: tl.constexpr = 4096):
     """One program per group: lambda = the largest x with #{keys >= x} >= count, found among the
     candidates (the keys above hi are all taken), and the keys at lambda still to take; stored where
-    the radix select stores them. Overflowed candidates raise the group's fall-back flag instead."""
+    the radix select stores them. Overflowed candidates, or a bracket that missed lambda (a sampled
+    one: #{keys > hi} >= count or #{keys > lo} < count), raise the group's fall-back flag instead.
+    CBINS > 0: lambda's bin first, from the candidates' histogram (:func:`_v_cand`); that bin's
+    candidates moved to the front of the buffer in one pass; the bisection then runs over them and
+    the bin's range only (a few dependent counts over a few keys, instead of one count over every
+    candidate for each of the bracket's bits), with the keys in registers when they are at most
+    SMALL."""
     grp = tl.program_id(0)
     b = grp // (HKV // HG)
     T = _load_scalar(len_ptr + b)
     count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
     meta = cmeta_ptr + grp * CMETA
     n_cand = _load_scalar(meta + 2)
-    over = (n_cand > CAP) & (count > 0)
+    need = count - _load_scalar(meta + 3)  # keys to take among the candidates
+    held = (n_cand <= CAP) & (need > 0) & (need <= n_cand)
+    over = (count > 0) & ~held
     tl.store(meta + 4, over.to(tl.int32))
     tl.store(meta + 5, over.to(tl.int32))  # the keys at lambda need ranks (_value_ties runs for the group)
-    if (count > 0) & (n_cand <= CAP):
-        need = count - _load_scalar(meta + 3)
+    if (count > 0) & held:
         # the candidates in chunks of CH (L1-resident after the first step): work in proportion to
         # n_cand, not CAP, and as many steps as the bracket has bits (a while loop, not 32)
         CH: tl.constexpr = min(CAP, 4096)
@@ -158,23 +250,34 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         cbase = cand_ptr + grp * CAP
         a = _load_scalar(meta) + 1  # lambda in [lo + 1, hi]
         z = _load_scalar(meta + 1)
-        while a < z:  # the largest x in [a, z] with #{candidates >= x} >= need
-            mid = a + (z - a + 1) // 2
-            n_ge = mid * 0
+        n_scan = n_cand  # the candidates that the bisection counts: cbase[0, n_scan)
+        need_s = need  # of which it takes need_s
+        if CBINS > 0:
+            bb = tl.arange(0, CBINS)
+            hc = tl.load(cbins_ptr + grp * CBINS + bb)
+            suf = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc  # candidates in bins >= b
+            jb = tl.max(tl.where(suf >= need, bb, -1), 0)  # lambda's bin (need <= n_cand: jb >= 0)
+            need_s = need - tl.sum(tl.where(bb > jb, hc, 0), 0)  # the bins above are all taken
+            shift = _load_scalar(meta + 6)
+            a = a + (jb << shift)
+            z = tl.minimum(z, a + ((1 << shift) - 1))
+            # the bin's candidates to the front, in place: a chunk's keys are all loaded (its prefix sum
+            # waits for every lane) before any lane stores, and only below the chunk's end
+            n_scan = n_cand * 0
             for c0 in range(0, n_cand, CH):
                 keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
-                n_ge += tl.sum((keys >= mid).to(tl.int32), 0)
-            ok = n_ge >= need
-            a = tl.where(ok, mid, a)
-            z = tl.where(ok, z, mid - 1)
-        lam = a
-        n_gt = lam * 0
-        n_eq = lam * 0
-        for c0 in range(0, n_cand, CH):
-            keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
-            n_gt += tl.sum((keys > lam).to(tl.int32), 0)
-            n_eq += tl.sum((keys == lam).to(tl.int32), 0)
-        left = need - n_gt
+                inb = ((keys >= a) & (keys <= z)).to(tl.int32)  # (a >= 0: the masked -1 is out)
+                tl.store(cbase + n_scan + tl.cumsum(inb, 0) - inb, keys, mask=inb > 0)
+                n_scan += tl.sum(inb, 0)
+            tl.debug_barrier()  # the moved keys visible to every lane
+        if CBINS > 0:
+            if n_scan <= SMALL:  # the bin's keys in registers, loaded once
+                lam, n_gt, n_eq = _bisect_regs(cbase, n_scan, a, z, need_s, SMALL)
+            else:
+                lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
+        else:
+            lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
+        left = need_s - n_gt
         rank = left < n_eq  # only some of the keys at lambda are taken: they need their ranks
         # every key at lambda taken: lambda - 1 with none left to take selects the same keys (keys >= 0;
         # none of those at lambda - 1 is taken), and no tie counts are needed
@@ -184,3 +287,22 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         tl.store(hb, lam)
         tl.store(hb + 1, left)
         tl.store(meta + 5, rank.to(tl.int32))
+
+
+@triton.jit
+def _value_sample(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, hw_ptr, ihist_ptr, TMAX, NSK, HQ: tl.constexpr,
+                  HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr,
+                  TOK: tl.constexpr, SAMPLE: tl.constexpr, HEAD_WEIGHT: tl.constexpr):
+    """Program (b*Hkv + h, span of TOK tokens): the importance histogram of 1 in SAMPLE of the span's
+    tokens, runs of 8 consecutive ones (a 32-byte sector of each query head's logits) every 8 SAMPLE
+    positions, one atomic add each; the bracket (:func:`_v_bracket` with SAMPLE) scales the counts.
+    Spans of several blocks share the softmax statistics' loads (NSK splits per query head)."""
+    pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
+    if blk * TOK < T:
+        ii = tl.arange(0, TOK // SAMPLE)
+        pos = blk * TOK + (ii // 8) * (8 * SAMPLE) + ii % 8
+        bimp = _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ, HKV, G, G2,
+                           NSK_PAD, HEAD_WEIGHT)
+        dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT
+        tl.atomic_add(ihist_ptr + (grp * (HG + 1) + hl) * IHBINS + dig, tl.full(dig.shape, 1, tl.int32),
+                      mask=pos < T, sem="relaxed")

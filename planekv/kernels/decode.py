@@ -772,6 +772,22 @@ def _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ: tl.constexpr, G: tl.constex
 
 
 @triton.jit
+def _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ: tl.constexpr,
+                HKV: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr,
+                HEAD_WEIGHT: tl.constexpr):
+    """Value importance of the tokens ``pos`` of row b*HKV + h: the sum over the KV head's query heads
+    of p^2 (0 at positions >= T), times the head's weight with HEAD_WEIGHT."""
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
+    p = _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G2)
+    bimp = tl.sum(p * p, 0)
+    if HEAD_WEIGHT:  # ReadPolicy.value_head_weight: times the head's sum of sigma_V^2
+        bimp = bimp * _load_scalar(hw_ptr + h)
+    return bimp
+
+
+@triton.jit
 def _steps_above(bimp, r_ptr, x, y, KS: tl.constexpr):
     """Per token: #{k : key_k > x} and #{k : key_k > y}, key_k = imp x r_k as float32 bits. The step
     gains r_k do not increase with k (``step_gains``) and float32 rounding is monotone, so a token's
@@ -808,14 +824,10 @@ def _value_hist(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, r_ptr, vimp_ptr, hist_
     bins around their mean bin are counted in the block first (tl.histogram) and added with one
     atomic per non-empty bin; the others with one atomic each (KERNEL_NOTES run 39)."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
-    h = pid_bh % HKV
     if blk * BLK < T:
-        mg, z = _softmax_stats(mstat_ptr, sstat_ptr, b, h, NSK, HQ, G, G2, NSK_PAD)
         pos = blk * BLK + tl.arange(0, BLK)
-        p = _probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G2)
-        bimp = tl.sum(p * p, 0)  # [BLK]
-        if HEAD_WEIGHT:  # ReadPolicy.value_head_weight: times the head's sum of sigma_V^2
-            bimp = bimp * _load_scalar(hw_ptr + h)
+        bimp = _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ, HKV, G, G2,
+                           NSK_PAD, HEAD_WEIGHT)
         tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=pos < T)
         if TWO_PASS:
             dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT

@@ -17,7 +17,7 @@ from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats, UniformLinearT
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ._dispatch import check_device
-from .alloc2 import _v_bracket, _v_cand, _v_exact
+from .alloc2 import _v_bracket, _v_cand, _v_exact, _value_sample
 from .decode import (
     CMETA_WORDS,
     HIST_STRIDE,
@@ -169,6 +169,7 @@ class Plan:
     ihist: torch.Tensor  # [groups, (HG + 1) IH_BINS] i32: importance histogram per head, suffix sums
     cmeta: torch.Tensor  # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, overflow
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
+    cbins: torch.Tensor  # [groups, exact_bins] i32: the candidates' histogram over the bracket
     key_loop: int = 0  # the FMA Key stage's channel walk (TritonReader._key_loop)
     key_ch: int = 1  # channels a Key-stage program decodes at a time (4 for small steps, segment walk)
     # the bit-product Key stage (linear codebooks on the GPU, TritonReader.key_mma; one-element
@@ -192,6 +193,7 @@ class Plan:
                 self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
                 self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand,
+                self.cbins,
                 self.lin_off, self.lin_v, self.lin_steps, self.lin_base, self.lin_scale)
         return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
@@ -263,6 +265,24 @@ class TritonReader:
         # the block first, one atomic add per non-empty bin (0: one atomic add per token). 256 measured
         # best of 0 / 128 / 256 (KERNEL_NOTES run 39: B=32 T=32768 134 -> 101 us)
         self.hist_window = 256
+        # the two-pass allocation's bracket from a sample: S > 1 counts 1 in S tokens' importances
+        # (_value_sample, runs of 8 every 8 S positions) and _v_cand computes every importance itself (no
+        # per-token atomics); the bracket is widened per side by sample_slack x count + sample_z standard
+        # deviations of the sample's estimate (_v_bracket), and a group whose bracket misses lambda falls
+        # back to the radix passes (exact either way, ~0.15 ms slower). None: 16 (KERNEL_NOTES runs 94-96: B=32
+        # T=32768 flexible R=2 kernel sum 784 -> 751 us, R=4 1239 -> 1206, constrained R=2 906 -> 855, d=256
+        # and SmolLM2's geometry 2-15 us less; z=2 missed in none of ~700 group-steps, z=1 with slack 0.01 in
+        # 12 of 288); 0: every token's importance counted (_value_hist)
+        self.hist_sample: int | None = None
+        self.sample_slack = 0.02
+        self.sample_z = 2.0
+        # the exact pass's lambda: N > 0 first finds its bin in a histogram of N bins over the bracket that the
+        # candidates pass counts, then bisects among that bin's candidates only, in registers when they are at
+        # most exact_small (run 95: B=32 T=32768 exact pass 12.8 -> 6.8 us at R=2, 32.5 -> 11.8 at R=4, the
+        # candidates pass 5-6 us slower for the counts); 0: a bisection over every candidate for each of the
+        # bracket's bits
+        self.exact_bins = 4096
+        self.exact_small = 4096
         # warps of the two-pass allocation's per-group kernels (one program per group): _v_bracket 8 where
         # a group pools several KV heads' histograms, else 4 (None; KERNEL_NOTES run 78: B=32 T=32768
         # 17.0 -> 14.3 us, SmolLM2 10.8 -> 10.3; one head (d=256) 8.8 -> 9.3), _v_exact 8 (4 and 16 slower)
@@ -481,6 +501,7 @@ class TritonReader:
             two_pass=tp, ihist=opt(tp, groups, (self.hg + 1) * IH_BINS, **i32),
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
+            cbins=opt(tp and self.exact_bins > 0, groups, max(1, self.exact_bins), **i32),
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
@@ -591,6 +612,14 @@ class TritonReader:
             return self.alloc_warps
         return 4 if tokens >= 1 << 22 else 8
 
+    def _hist_sample(self) -> int:
+        """1 in how many tokens the two-pass allocation's importance histogram counts (``hist_sample``;
+        None: 16, measured faster on every two-pass benchmark shape, KERNEL_NOTES run 96); 0 or 1: all."""
+        hs = 16 if self.hist_sample is None else self.hist_sample
+        if not isinstance(hs, int) or hs < 0 or (hs > 1 and hs & (hs - 1)):
+            raise ValueError(f"hist_sample must be None, 0, 1 or a power of two, got {self.hist_sample!r}")
+        return hs
+
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
         Value allocation. None = measured choice (docs/KERNEL_NOTES.md runs 34-36): faster at B=32
@@ -610,7 +639,8 @@ class TritonReader:
         covers a group of ~5M keys; fewer when the group has fewer keys."""
         if self._cand_cap is not None:
             return self._cand_cap
-        return max(16, min(32768, next_pow2(self.ks_v * self.hg * max_tokens)))
+        top = 65536 if self._hist_sample() > 1 else 32768  # a sampled bracket is wider
+        return max(16, min(top, next_pow2(self.ks_v * self.hg * max_tokens)))
 
     @property
     def _rhw(self) -> int:
@@ -724,25 +754,46 @@ class TritonReader:
             self._refine(plan, k_pool, page_table, lengths, sig_k, scale, slots, g, g2, nsk_pad, groups, mark)
         if not self.fixed_depth:
             tp, fused = plan.two_pass, self.fused_select
-            _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
-                              c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
-                              NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
-                              HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, RATE=rate, BK=self.bk,
-                              BV_FIXED=bv_fixed, USE_RATE=use_rate, D=d, W=w, MIN_V=pol.min_depth_v,
-                              PACKET=pol.v_packet, FUSED=fused, HWIN=self.hist_window if tp else 0,
-                              RHIST=self.radix_hist, num_warps=aw)
+            hs = self._hist_sample()
+            # 1 in `sample` tokens, at most one in 8 of a block (one run of 8)
+            sample = min(hs, self._blk // 8) if tp and hs > 1 else 1
+            imp_args = dict(HQ=hq, G=g, G2=g2, NSK_PAD=nsk_pad, HEAD_WEIGHT=pol.value_head_weight)
+            if sample > 1:  # spans of up to 8 blocks per program
+                span = min(8, next_pow2(nblk))
+                _value_sample[(b * hk, -(-nblk // span))](plan.logits, plan.mstat, plan.sstat, lengths,
+                                                                 c["hw"][layer], plan.ihist, tmax, nsk, HKV=hk,
+                                                                 HG=self.hg, TOK=span * self._blk, SAMPLE=sample,
+                                                                 **imp_args, num_warps=4)
+            else:
+                _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
+                                  c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
+                                  NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
+                                  HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, RATE=rate, BK=self.bk,
+                                  BV_FIXED=bv_fixed, USE_RATE=use_rate, D=d, W=w, MIN_V=pol.min_depth_v,
+                                  PACKET=pol.v_packet, FUSED=fused, HWIN=self.hist_window if tp else 0,
+                                  RHIST=self.radix_hist, num_warps=aw)
             mark("value_hist")
             gsel = dict(USE_RATE=use_rate, HKV=hk, HG=self.hg, D=d, W=w, MIN_V=pol.min_depth_v, PACKET=pol.v_packet,
                         KS=self.ks_v)
             if tp:  # lambda from the bracket and its candidates; radix passes only where they overflow
                 cap = plan.cand.shape[1]
+                nb = plan.cbins.shape[1] if self.exact_bins else 0
+                if nb and (nb < 16 or nb & (nb - 1) or nb != self.exact_bins):
+                    raise ValueError(f"exact_bins must be 0 or the planned power of two >= 16, got {self.exact_bins!r}")
+                cb = dict(CBINS=nb, cbins_ptr=plan.cbins) if nb else {}
                 _v_bracket[(groups,)](plan.ihist, lengths, c["rv"], plan.cmeta, rate, self.bk, bv_fixed,
-                                      KS_PAD=self.kspad_v, **gsel,
+                                      KS_PAD=self.kspad_v, SAMPLE=sample, SLACK=float(self.sample_slack),
+                                      ZS=float(self.sample_z), **cb, **gsel,
                                       num_warps=self.bracket_warps or (8 if self.hg > 1 else 4))
+                fl = dict(FROM_LOGITS=True, logit_ptr=plan.logits, mstat_ptr=plan.mstat, sstat_ptr=plan.sstat,
+                          hw_ptr=c["hw"][layer], NSK=nsk, **imp_args) if sample > 1 else {}
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
-                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, num_warps=aw)
+                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
+                if nb and (self.exact_small < 16 or self.exact_small & (self.exact_small - 1)):
+                    raise ValueError(f"exact_small must be a power of two >= 16, got {self.exact_small!r}")
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
-                                    **gsel, num_warps=self.exact_warps)
+                                    **gsel, **cb, **({"SMALL": self.exact_small} if nb else {}),
+                                    num_warps=self.exact_warps)
                 mark("value_two_pass")
             if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,

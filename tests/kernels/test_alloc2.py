@@ -25,6 +25,7 @@ def test_two_pass_equals_radix_select(name: str, cap: int | None) -> None:
     runs = {}
     for alloc in ("radix", "two-pass"):
         reader = TritonReader(codec, policy, value_alloc=alloc, cand_cap=cap if alloc == "two-pass" else None)
+        reader.hist_sample = 0  # every token's importance counted (the sampled bracket: below)
         plan = reader.plan(2, 150, "cpu", block_tokens=64)  # several blocks per sequence
         plan.out.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
@@ -48,6 +49,7 @@ def test_two_pass_bracket_holds_lambda_with_few_candidates() -> None:
     codec, cache, q = _setup(seed=9, lengths=[1000])
     policy = ReadPolicy.flexible(2.0, 0.875)
     reader = TritonReader(codec, policy, value_alloc="two-pass")
+    reader.hist_sample = 0
     plan = reader.plan(1, 1000, "cpu")
     reader.decode(q, cache, 0, plan=plan)
     lo, hi, n_cand, n_above, over, ranked = plan.cmeta[0, :6].tolist()
@@ -76,6 +78,12 @@ def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
         TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="sort")
     with pytest.raises(ValueError, match="cand_cap"):
         TritonReader(codec, ReadPolicy.flexible(2.0), cand_cap=100)
+    # the bracket from 1 in 16 tokens by default, and a candidate buffer to match
+    assert auto._hist_sample() == 16 and auto._cap(1 << 20) == 65536
+    bad = TritonReader(codec, ReadPolicy.flexible(2.0))
+    bad.hist_sample = 3
+    with pytest.raises(ValueError, match="hist_sample"):
+        bad.plan(1, 64, "cpu")
 
 
 @pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
@@ -116,7 +124,7 @@ def test_windowed_importance_histogram_counts_every_token_once() -> None:
     got = []
     for win in (0, 16):  # 16 bins: most tokens of a block fall outside, both paths run
         reader = TritonReader(codec, policy, value_alloc="two-pass")
-        reader.hist_window = win
+        reader.hist_window, reader.hist_sample = win, 0
         plan = reader.plan(2, 700, "cpu", block_tokens=128)
         plan.out.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
@@ -159,7 +167,7 @@ def test_tie_counts_only_where_keys_at_lambda_need_ranks(gate: int) -> None:
         qq = q * 300.0 if peaked else q
         ref, rst = readkv_decode(qq, cache, 0, codec, policy)
         reader = TritonReader(codec, policy, value_alloc="two-pass")
-        reader.tie_gate = gate
+        reader.tie_gate, reader.hist_sample = gate, 0  # (a sampled bracket may miss: its group then ranks)
         plan = reader.plan(2, 150, "cpu", block_tokens=64)
         plan.ties.fill_(-7)
         out, st = reader.decode(qq, cache, 0, plan=plan)
@@ -194,3 +202,78 @@ def test_key_lambda_by_radix_passes_equals_the_bisection(name: str) -> None:
     assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][1], got[0][1])
     assert torch.equal(got[1][2], got[0][2])
     assert int(got[0][0].sum()) > 0
+
+
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2", "explicit-budgets", "flexible-r2-head-weight"])
+@pytest.mark.parametrize("slack", [0.05, -1.0])
+def test_sampled_bracket_equals_radix_select(name: str, slack: float) -> None:
+    """``hist_sample``: the bracket from 1 in 8 tokens' importances and the importances computed by
+    the candidates pass give the radix select's depths and output bit for bit. slack -1 (and no
+    standard deviations) shrinks the bracket to (almost) nothing, so it misses lambda: those groups
+    fall back to the radix passes (flagged) and still find it."""
+    policy = POLICIES[name]
+    lengths = [150, 97]
+    codec, cache, q = _setup(seed=40 + len(name), lengths=lengths)
+    runs = {}
+    for sample in (0, 16):  # 16, capped at one in 8 of a 64-token block
+        reader = TritonReader(codec, policy, value_alloc="radix" if not sample else "two-pass")
+        reader.hist_sample, reader.sample_slack = sample, slack
+        reader.sample_z = 3.0 if slack > 0 else 0.0
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        plan.out.fill_(float("nan"))
+        plan.vimp.fill_(float("nan"))  # the candidates pass must write every importance
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs[sample] = (out, st, plan)
+    (o_r, s_r, p_r), (o_s, s_s, p_s) = runs[0], runs[16]
+    if slack < 0:
+        assert bool(p_s.cmeta[:, 4].bool().any())
+    for b in range(2):  # the importances, as the histogram pass writes them
+        assert torch.equal(p_s.vimp[b, :, : lengths[b]], p_r.vimp[b, :, : lengths[b]])
+    assert torch.equal(s_s.v_depths, s_r.v_depths)
+    assert torch.equal(o_s, o_r)
+
+
+def test_sampled_bracket_holds_lambda_on_a_long_sequence() -> None:
+    """1 in 16 tokens of a 4096-token sequence: the widened bracket holds lambda (no fall back), with
+    a small share of the keys as candidates."""
+    n = 4096
+    codec, cache, q = _setup(seed=9, lengths=[n])
+    policy = ReadPolicy.flexible(2.0, 0.875)
+    reader = TritonReader(codec, policy, value_alloc="two-pass")
+    reader.hist_sample = 16
+    plan = reader.plan(1, n, "cpu", block_tokens=1024)
+    out, st = reader.decode(q, cache, 0, plan=plan)
+    lo, hi, n_cand, n_above, over, ranked = plan.cmeta[0, :6].tolist()
+    n_keys = reader.ks_v * cache.spec.n_kv_heads * n
+    assert over == 0 and 0 < n_cand < 0.15 * n_keys
+    ref = TritonReader(codec, policy, value_alloc="radix")
+    out_r, st_r = ref.decode(q, cache, 0, plan=ref.plan(1, n, "cpu", block_tokens=1024))
+    assert torch.equal(st.v_depths, st_r.v_depths) and torch.equal(out, out_r)
+
+
+@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
+@pytest.mark.parametrize("sample", [0, 16])
+def test_binned_exact_pass_equals_the_bisection(name: str, sample: int) -> None:
+    """``exact_bins``: lambda's bin from the candidates' histogram, then a bisection among that bin's
+    candidates only, gives the same lambda, keys left to take, depths and output as the bisection over
+    every candidate: with 16 bins (wide bins, several candidates each) and 4096 (narrow ones)."""
+    policy = POLICIES[name]
+    lengths = [150, 97]
+    codec, cache, q = _setup(seed=50 + len(name), lengths=lengths)
+    got = {}
+    for bins in (0, 16, 4096):
+        reader = TritonReader(codec, policy, value_alloc="two-pass")
+        reader.hist_sample, reader.exact_bins = sample, bins
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        got[bins] = (out, st.v_depths, plan.hist[:, 128:144].clone(), plan.cmeta.clone(), plan.cbins.clone())
+    o0, d0, l0, m0, _ = got[0]
+    for bins in (16, 4096):
+        o1, d1, l1, m1, cb = got[bins]
+        assert torch.equal(m1[:, :6], m0[:, :6])  # the same bracket, candidates, fall backs, ranks
+        held = m1[:, 4] == 0
+        assert bool(held.any())
+        assert torch.equal(l1[held], l0[held])  # lambda and the keys at it left to take
+        assert torch.equal(cb.sum(1)[held], m1[held, 2])  # every candidate counted once
+        assert torch.equal(d1, d0) and torch.equal(o1, o0)
