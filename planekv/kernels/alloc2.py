@@ -25,6 +25,9 @@ histogram counts 1 in S tokens (``_value_sample``: runs of 8 every 8 S positions
 widened for the sample's error and ``_v_cand`` computes and stores every importance itself (no
 per-token atomics anywhere); ``_v_exact`` checks that the bracket held lambda, and a group where it
 did not falls back to the radix passes like an overflowed one, so the result is exact either way.
+With ``TritonReader.exact_bins`` = N (the default, either bracket) ``_v_cand`` also counts the
+candidates in N bins over the bracket, and ``_v_exact`` bisects only among the candidates of lambda's
+bin (moved to the front of the buffer), so its cost hardly grows with the candidates.
 
 Downstream kernels (ties, compaction, Value stage) read lambda as before. The result is the radix
 select's: both rank the same float32 keys.

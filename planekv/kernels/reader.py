@@ -167,7 +167,9 @@ class Plan:
     # two-pass Value allocation (one-element placeholders without it)
     two_pass: bool
     ihist: torch.Tensor  # [groups, (HG + 1) IH_BINS] i32: importance histogram per head, suffix sums
-    cmeta: torch.Tensor  # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, overflow
+    # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, fall back (overflow or miss), keys at
+    # lambda ranked, the candidates' histogram's bin shift
+    cmeta: torch.Tensor
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
     cbins: torch.Tensor  # [groups, exact_bins] i32: the candidates' histogram over the bracket
     key_loop: int = 0  # the FMA Key stage's channel walk (TritonReader._key_loop)
@@ -268,19 +270,20 @@ class TritonReader:
         # the two-pass allocation's bracket from a sample: S > 1 counts 1 in S tokens' importances
         # (_value_sample, runs of 8 every 8 S positions) and _v_cand computes every importance itself (no
         # per-token atomics); the bracket is widened per side by sample_slack x count + sample_z standard
-        # deviations of the sample's estimate (_v_bracket), and a group whose bracket misses lambda falls
-        # back to the radix passes (exact either way, ~0.15 ms slower). None: 16 (KERNEL_NOTES runs 94-96: B=32
-        # T=32768 flexible R=2 kernel sum 784 -> 751 us, R=4 1239 -> 1206, constrained R=2 906 -> 855, d=256
-        # and SmolLM2's geometry 2-15 us less; z=2 missed in none of ~700 group-steps, z=1 with slack 0.01 in
-        # 12 of 288); 0: every token's importance counted (_value_hist)
+        # deviations of the sample's estimate (_v_bracket), and a group whose bracket misses lambda runs the
+        # radix passes (exact either way; run 96: two d=256 groups that missed took them from 8 to 150 us).
+        # None: 16 (KERNEL_NOTES run 97, with exact_bins: B=32 T=32768 flexible kernel sum 785 -> 752 us at
+        # R=2, 1240 -> 1202 at R=4; run 96: constrained R=2 906 -> 855, d=256 and SmolLM2's geometry 1-15 us
+        # less; z=2 missed in none of ~700 group-steps, z=1 with slack 0.01 in 12 of 288); 0: every token's
+        # importance counted (_value_hist)
         self.hist_sample: int | None = None
         self.sample_slack = 0.02
         self.sample_z = 2.0
-        # the exact pass's lambda: N > 0 first finds its bin in a histogram of N bins over the bracket that the
-        # candidates pass counts, then bisects among that bin's candidates only, in registers when they are at
-        # most exact_small (run 95: B=32 T=32768 exact pass 12.8 -> 6.8 us at R=2, 32.5 -> 11.8 at R=4, the
-        # candidates pass 5-6 us slower for the counts); 0: a bisection over every candidate for each of the
-        # bracket's bits
+        # the exact pass's lambda: N > 0 (a power of two >= 16) first finds its bin in a histogram of N bins
+        # over the bracket that the candidates pass counts, then bisects among that bin's candidates only, in
+        # registers when they are at most exact_small (run 95, full histogram: B=32 T=32768 exact pass 12.8 ->
+        # 6.8 us at R=2, 32.5 -> 11.8 at R=4, the candidates pass 5-6 us slower for the counts; run 97:
+        # exact_small 1024 and 4096 alike); 0: a bisection over every candidate for each of the bracket's bits
         self.exact_bins = 4096
         self.exact_small = 4096
         # warps of the two-pass allocation's per-group kernels (one program per group): _v_bracket 8 where
@@ -501,7 +504,7 @@ class TritonReader:
             two_pass=tp, ihist=opt(tp, groups, (self.hg + 1) * IH_BINS, **i32),
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
-            cbins=opt(tp and self.exact_bins > 0, groups, max(1, self.exact_bins), **i32),
+            cbins=opt(tp and self._exact_bins() > 0, groups, max(1, self.exact_bins), **i32),
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
@@ -619,6 +622,15 @@ class TritonReader:
         if not isinstance(hs, int) or hs < 0 or (hs > 1 and hs & (hs - 1)):
             raise ValueError(f"hist_sample must be None, 0, 1 or a power of two, got {self.hist_sample!r}")
         return hs
+
+    def _exact_bins(self) -> int:
+        """The binned exact pass's bins (``exact_bins``, 0: off), checked with ``exact_small``."""
+        for name in ("exact_bins", "exact_small"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or (v != 0 or name == "exact_small") and (v < 16 or v & (v - 1)):
+                raise ValueError(f"{name} must be {'0 or ' if name == 'exact_bins' else ''}a power of two >= 16, "
+                                 f"got {v!r}")
+        return self.exact_bins
 
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
@@ -754,6 +766,8 @@ class TritonReader:
             self._refine(plan, k_pool, page_table, lengths, sig_k, scale, slots, g, g2, nsk_pad, groups, mark)
         if not self.fixed_depth:
             tp, fused = plan.two_pass, self.fused_select
+            if tp and plan.cbins.shape[1] != max(1, self._exact_bins()):
+                raise ValueError(f"the plan was made for another exact_bins than {self.exact_bins!r}; plan again")
             hs = self._hist_sample()
             # 1 in `sample` tokens, at most one in 8 of a block (one run of 8)
             sample = min(hs, self._blk // 8) if tp and hs > 1 else 1
@@ -778,8 +792,6 @@ class TritonReader:
             if tp:  # lambda from the bracket and its candidates; radix passes only where they overflow
                 cap = plan.cand.shape[1]
                 nb = plan.cbins.shape[1] if self.exact_bins else 0
-                if nb and (nb < 16 or nb & (nb - 1) or nb != self.exact_bins):
-                    raise ValueError(f"exact_bins must be 0 or the planned power of two >= 16, got {self.exact_bins!r}")
                 cb = dict(CBINS=nb, cbins_ptr=plan.cbins) if nb else {}
                 _v_bracket[(groups,)](plan.ihist, lengths, c["rv"], plan.cmeta, rate, self.bk, bv_fixed,
                                       KS_PAD=self.kspad_v, SAMPLE=sample, SLACK=float(self.sample_slack),
@@ -789,8 +801,6 @@ class TritonReader:
                           hw_ptr=c["hw"][layer], NSK=nsk, **imp_args) if sample > 1 else {}
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
                               BLK=self._blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
-                if nb and (self.exact_small < 16 or self.exact_small & (self.exact_small - 1)):
-                    raise ValueError(f"exact_small must be a power of two >= 16, got {self.exact_small!r}")
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
                                     **gsel, **cb, **({"SMALL": self.exact_small} if nb else {}),
                                     num_warps=self.exact_warps)

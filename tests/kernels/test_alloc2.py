@@ -84,6 +84,10 @@ def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
     bad.hist_sample = 3
     with pytest.raises(ValueError, match="hist_sample"):
         bad.plan(1, 64, "cpu")
+    bins = TritonReader(codec, ReadPolicy.flexible(2.0), value_alloc="two-pass")
+    bins.exact_bins = 100
+    with pytest.raises(ValueError, match="exact_bins"):
+        bins.plan(1, 64, "cpu")
 
 
 @pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
