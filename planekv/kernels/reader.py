@@ -279,6 +279,9 @@ class TritonReader:
         self.hist_sample: int | None = None
         self.sample_slack = 0.02
         self.sample_z = 2.0
+        # blocks per _value_sample program (they share its softmax statistics' loads; KERNEL_NOTES run 100:
+        # 1, 2, 4 and 8 alike, 15-19 us at B=32 T=32768)
+        self.sample_span = 8
         # the exact pass's lambda: N > 0 (a power of two >= 16) first finds its bin in a histogram of N bins
         # over the bracket that the candidates pass counts, then bisects among that bin's candidates only, in
         # registers when they are at most exact_small (run 95, full histogram: B=32 T=32768 exact pass 12.8 ->
@@ -772,8 +775,10 @@ class TritonReader:
             # 1 in `sample` tokens, at most one in 8 of a block (one run of 8)
             sample = min(hs, self._blk // 8) if tp and hs > 1 else 1
             imp_args = dict(HQ=hq, G=g, G2=g2, NSK_PAD=nsk_pad, HEAD_WEIGHT=pol.value_head_weight)
-            if sample > 1:  # spans of up to 8 blocks per program
-                span = min(8, next_pow2(nblk))
+            if sample > 1:  # spans of up to sample_span blocks per program
+                if self.sample_span < 1 or self.sample_span & (self.sample_span - 1):
+                    raise ValueError(f"sample_span must be a power of two >= 1, got {self.sample_span!r}")
+                span = min(self.sample_span, next_pow2(nblk))
                 _value_sample[(b * hk, -(-nblk // span))](plan.logits, plan.mstat, plan.sstat, lengths,
                                                                  c["hw"][layer], plan.ihist, tmax, nsk, HKV=hk,
                                                                  HG=self.hg, TOK=span * self._blk, SAMPLE=sample,
