@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--geometries", default="32/8/128,9/3/64,4/1/256")
     ap.add_argument("--only", default="", help="comma-separated kernel names")
+    ap.add_argument("--skip", default="", help="comma-separated kernel names not to compile")
     ap.add_argument("--all-radix-passes", action="store_true", help="compile passes 2..NPASS (default: 2, 3)")
     ap.add_argument("--json", help="write one record per compiled kernel here")
     args = ap.parse_args()
@@ -80,7 +81,7 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
     passes = tuple(range(2, K.NPASS.value + 1)) if args.all_radix_passes else (2, 3)
     recs = compile_all(args.geometries, args.num_warps, set(filter(None, args.only.split(","))), args.sass_dir,
-                       radix_passes=passes)
+                       radix_passes=passes, skip=set(filter(None, args.skip.split(","))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(recs, f, indent=1)
@@ -160,14 +161,16 @@ def compile_refine(hq: int, hk: int, hg: int, hgp: int, g: int, g2: int, d: int,
 
 
 def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: str | None = None,
-                radix_passes: tuple[int, ...] = (2, 3)) -> list[dict]:
-    """Compile every kernel for each "Hq/Hkv/d" geometry (flexible, constrained, full-4 variants);
-    returns one record per compiled kernel. Raises on the first kernel that does not compile."""
+                radix_passes: tuple[int, ...] = (2, 3), skip: set[str] | None = None) -> list[dict]:
+    """Compile every kernel (those in ``only`` if given, none in ``skip``) for each "Hq/Hkv/d" geometry
+    (flexible, constrained, full-4 variants); returns one record per compiled kernel. Raises on the
+    first kernel that does not compile."""
     only = only or set()
+    skip = skip or set()
     RESULTS.clear()
 
     def want(fn) -> bool:
-        return not only or fn.__name__ in only
+        return (not only or fn.__name__ in only) and fn.__name__ not in skip
 
     for geo in geometries.split(","):
         hq, hk, d = map(int, geo.split("/"))

@@ -208,8 +208,8 @@ def test_key_lambda_by_radix_passes_equals_the_bisection(name: str) -> None:
     assert int(got[0][0].sum()) > 0
 
 
-@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2", "explicit-budgets", "flexible-r2-head-weight"])
-@pytest.mark.parametrize("slack", [0.05, -1.0])
+@pytest.mark.parametrize("name,slack", [("flexible-r2-k0.3", 0.05), ("constrained-r2", 0.05),
+                                        ("explicit-budgets", -1.0), ("flexible-r2-head-weight", -1.0)])
 def test_sampled_bracket_equals_radix_select(name: str, slack: float) -> None:
     """``hist_sample``: the bracket from 1 in 8 tokens' importances and the importances computed by
     the candidates pass give the radix select's depths and output bit for bit. slack -1 (and no
@@ -255,8 +255,7 @@ def test_sampled_bracket_holds_lambda_on_a_long_sequence() -> None:
     assert torch.equal(st.v_depths, st_r.v_depths) and torch.equal(out, out_r)
 
 
-@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
-@pytest.mark.parametrize("sample", [0, 16])
+@pytest.mark.parametrize("name,sample", [("flexible-r2-k0.3", 0), ("constrained-r2", 16)])
 def test_binned_exact_pass_equals_the_bisection(name: str, sample: int) -> None:
     """``exact_bins``: lambda's bin from the candidates' histogram, then a bisection among that bin's
     candidates only, gives the same lambda, keys left to take, depths and output as the bisection over
