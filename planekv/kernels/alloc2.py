@@ -160,6 +160,8 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
             meta = cmeta_ptr + grp * CMETA
             lo = _load_scalar(meta)
             hi = _load_scalar(meta + 1)
+            if CBINS > 0:
+                shift = _load_scalar(meta + 6)  # the candidates' bins are 2^shift keys wide
             n_hi, n_lo = _steps_above(bimp, r_ptr, hi, lo, KS)
             n_hi = tl.where(valid, n_hi, 0)
             nc = tl.where(valid, n_lo, 0) - n_hi  # this token's candidates
@@ -177,7 +179,7 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
                         key = (bimp * tl.load(r_ptr + kj)).to(tl.int32, bitcast=True)
                         tl.store(cand_ptr + grp * CAP + slot + j, key, mask=(j < nc) & (slot + j < CAP))
                         if CBINS > 0:
-                            cb = (key - lo - 1) >> _load_scalar(meta + 6)
+                            cb = (key - lo - 1) >> shift
                             tl.atomic_add(cbins_ptr + grp * CBINS + cb, tl.full(cb.shape, 1, tl.int32), mask=j < nc,
                                           sem="relaxed")
 
@@ -253,9 +255,7 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         cbase = cand_ptr + grp * CAP
         a = _load_scalar(meta) + 1  # lambda in [lo + 1, hi]
         z = _load_scalar(meta + 1)
-        n_scan = n_cand  # the candidates that the bisection counts: cbase[0, n_scan)
-        need_s = need  # of which it takes need_s
-        if CBINS > 0:
+        if CBINS > 0:  # the bisection then counts cbase[0, n_scan) and takes need_s of them
             bb = tl.arange(0, CBINS)
             hc = tl.load(cbins_ptr + grp * CBINS + bb)
             suf = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc  # candidates in bins >= b
@@ -273,13 +273,13 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
                 tl.store(cbase + n_scan + tl.cumsum(inb, 0) - inb, keys, mask=inb > 0)
                 n_scan += tl.sum(inb, 0)
             tl.debug_barrier()  # the moved keys visible to every lane
-        if CBINS > 0:
             if n_scan <= SMALL:  # the bin's keys in registers, loaded once
                 lam, n_gt, n_eq = _bisect_regs(cbase, n_scan, a, z, need_s, SMALL)
             else:
                 lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
         else:
-            lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
+            need_s = need
+            lam, n_gt, n_eq = _bisect_chunks(cbase, n_cand, a, z, need, CH)
         left = need_s - n_gt
         rank = left < n_eq  # only some of the keys at lambda are taken: they need their ranks
         # every key at lambda taken: lambda - 1 with none left to take selects the same keys (keys >= 0;

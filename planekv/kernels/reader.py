@@ -279,16 +279,12 @@ class TritonReader:
         self.hist_sample: int | None = None
         self.sample_slack = 0.02
         self.sample_z = 2.0
-        # blocks per _value_sample program (they share its softmax statistics' loads; KERNEL_NOTES run 100:
-        # 1, 2, 4 and 8 alike, 15-19 us at B=32 T=32768)
-        self.sample_span = 8
         # the exact pass's lambda: N > 0 (a power of two >= 16) first finds its bin in a histogram of N bins
         # over the bracket that the candidates pass counts, then bisects among that bin's candidates only, in
-        # registers when they are at most exact_small (run 95, full histogram: B=32 T=32768 exact pass 12.8 ->
+        # registers when they are at most 4096 (run 95, full histogram: B=32 T=32768 exact pass 12.8 ->
         # 6.8 us at R=2, 32.5 -> 11.8 at R=4, the candidates pass 5-6 us slower for the counts; run 97:
-        # exact_small 1024 and 4096 alike); 0: a bisection over every candidate for each of the bracket's bits
+        # 1024 in registers measured as 4096); 0: a bisection over every candidate for each of the bracket's bits
         self.exact_bins = 4096
-        self.exact_small = 4096
         # warps of the two-pass allocation's per-group kernels (one program per group): _v_bracket 8 where
         # a group pools several KV heads' histograms, else 4 (None; KERNEL_NOTES run 78: B=32 T=32768
         # 17.0 -> 14.3 us, SmolLM2 10.8 -> 10.3; one head (d=256) 8.8 -> 9.3), _v_exact 8 (4 and 16 slower)
@@ -627,13 +623,11 @@ class TritonReader:
         return hs
 
     def _exact_bins(self) -> int:
-        """The binned exact pass's bins (``exact_bins``, 0: off), checked with ``exact_small``."""
-        for name in ("exact_bins", "exact_small"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or (v != 0 or name == "exact_small") and (v < 16 or v & (v - 1)):
-                raise ValueError(f"{name} must be {'0 or ' if name == 'exact_bins' else ''}a power of two >= 16, "
-                                 f"got {v!r}")
-        return self.exact_bins
+        """The binned exact pass's bins (``exact_bins``, 0: off), checked."""
+        v = self.exact_bins
+        if not isinstance(v, int) or v != 0 and (v < 16 or v & (v - 1)):
+            raise ValueError(f"exact_bins must be 0 or a power of two >= 16, got {v!r}")
+        return v
 
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
@@ -775,10 +769,8 @@ class TritonReader:
             # 1 in `sample` tokens, at most one in 8 of a block (one run of 8)
             sample = min(hs, self._blk // 8) if tp and hs > 1 else 1
             imp_args = dict(HQ=hq, G=g, G2=g2, NSK_PAD=nsk_pad, HEAD_WEIGHT=pol.value_head_weight)
-            if sample > 1:  # spans of up to sample_span blocks per program
-                if self.sample_span < 1 or self.sample_span & (self.sample_span - 1):
-                    raise ValueError(f"sample_span must be a power of two >= 1, got {self.sample_span!r}")
-                span = min(self.sample_span, next_pow2(nblk))
+            if sample > 1:  # spans of up to 8 blocks per program (1, 2, 4 measured alike, KERNEL_NOTES run 100)
+                span = min(8, next_pow2(nblk))
                 _value_sample[(b * hk, -(-nblk // span))](plan.logits, plan.mstat, plan.sstat, lengths,
                                                                  c["hw"][layer], plan.ihist, tmax, nsk, HKV=hk,
                                                                  HG=self.hg, TOK=span * self._blk, SAMPLE=sample,
@@ -807,7 +799,7 @@ class TritonReader:
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
                               BLK=self._blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
                 _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
-                                    **gsel, **cb, **({"SMALL": self.exact_small} if nb else {}),
+                                    **gsel, **cb,
                                     num_warps=self.exact_warps)
                 mark("value_two_pass")
             if not tp and not fused:
