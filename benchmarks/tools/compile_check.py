@@ -191,10 +191,11 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                     compile_one(K._prep, dict(qt_ptr=PI, sig_ptr=PI, mu_ptr=PI, r_ptr=PI, whi_ptr="*fp16",
                                               wlo_ptr="*fp16", wf_ptr=PI, base_ptr=PI, kdep_ptr=P32, kord_ptr=P32,
                                               kcnt_ptr=P32, hist_ptr=P32, count_k="i32", rhist_ptr=P32,
-                                              ihist_ptr=P32),
+                                              ihist_ptr=P32, q_ptr="*fp16", sq_b="i32", sq_h="i32", sq_d="i32",
+                                              mkT_ptr=PI),
                                 dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
                                      RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed, KORDER=korder,
-                                     RADIX=radix),
+                                     RADIX=radix, QROWS=max(16, 1 << max(0, (hg * g - 1).bit_length()))),
                                 num_warps=8, sass_dir=sd, tag=f"{t}-k{korder}" + ("-radix" if radix else ""))
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
@@ -343,9 +344,12 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
                         tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
                         maxnreg=VALUE_MAXNREG[vpf])
-        if want(K._combine):
-            compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d), num_warps=4, sass_dir=sd, tag=tag)
+        for inv in (False, True):  # the output rotated back by a GEMM after it, or in it (fuse_transforms)
+            if want(K._combine):
+                compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32",
+                                             mv_ptr=PI, fin_ptr=PI),
+                            dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, INV=inv), num_warps=4, sass_dir=sd,
+                            tag=tag + ("-inv" if inv else ""))
         if want(E._encode_append):
             compile_one(E._encode_append, dict(k_ptr=PI, v_ptr=PI, kw_ptr=P32, vw_ptr=P32, pt_ptr=P32, start_ptr=P32,
                                                muk_ptr=PI, sigk_ptr=PI, muv_ptr=PI, sigv_ptr=PI, heap_ptr=PI,

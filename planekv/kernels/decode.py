@@ -205,6 +205,25 @@ def _split16(x):
 
 
 @triton.jit
+def _rotate_rows(x_ptr, sx_r, sx_c, m_ptr, y_ptr, n_rows, ROWS: tl.constexpr, D: tl.constexpr):
+    """y[r, :] = x[r, :] @ m for the first n_rows of ROWS (>= 16) rows: x at x_ptr with row / column
+    strides sx_r / sx_c (any float dtype, taken as float32), m a contiguous float32 [D, D], y contiguous
+    float32 rows of D. One program; K in chunks of 32, each a tf32x3 product (three TF32 MMAs: the operands
+    split in high and low TF32 parts, the low x low term dropped; float32 sums, ~2^-22 relative; the FMA
+    form, input_precision="ieee", measured slower: KERNEL_NOTES run 102)."""
+    rr = tl.arange(0, ROWS)
+    cc = tl.arange(0, D)
+    rok = rr < n_rows
+    KC: tl.constexpr = min(D, 32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for j0 in tl.static_range(0, D, KC):
+        kc = j0 + tl.arange(0, KC)
+        xa = tl.load(x_ptr + rr[:, None] * sx_r + kc[None, :] * sx_c, mask=rok[:, None], other=0.0).to(tl.float32)
+        acc += tl.dot(xa, tl.load(m_ptr + kc[:, None] * D + cc[None, :]), input_precision="tf32x3")
+    tl.store(y_ptr + rr[:, None] * D + cc[None, :], acc, mask=rok[:, None])
+
+
+@triton.jit
 def _kth_largest(keys, count):
     """The count-th largest of the keys >= 0 (31-bit patterns; negative ones are padding), 1 <= count <=
     their number: NPASS radix passes of RBITS bits, each a histogram of the keys that match the digits
@@ -230,12 +249,15 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
           count_k,
           rhist_ptr, ihist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
           D: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr,
-          RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr, RADIX: tl.constexpr = False):
+          RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr, RADIX: tl.constexpr = False,
+          QROWS: tl.constexpr = 0, q_ptr=None, sq_b=0, sq_h=0, sq_d=0, mkT_ptr=None):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
     refinement (RHW > 0 words of refinement histograms per group) those start at zero too. The Key
     allocation's lambda (the count-th largest key) by a bisection over its 31 bits, or with RADIX by
     the 8 radix passes of :func:`_kth_largest` (the same lambda: 8 dependent histograms instead of 32
-    dependent counts)."""
+    dependent counts). QROWS > 0: the group's HG * G transformed queries q~ = q M_K^T are computed here
+    first (q of any float dtype at strides sq_*, M_K^T at mkT_ptr; rows padded to QROWS) and stored to
+    qt_ptr for the Key stages that read them, instead of by a copy and a GEMM before the launch."""
     pid = tl.program_id(0)
     n_groups_b: tl.constexpr = HKV // HG
     b = pid // n_groups_b
@@ -244,6 +266,10 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     hh = tl.arange(0, HG_PAD)
     cc = tl.arange(0, D)
     hvalid = hh < HG
+    if QROWS > 0:
+        _rotate_rows(q_ptr + b * sq_b + h0 * G * sq_h, sq_h, sq_d, mkT_ptr, qt_ptr + (b * HQ + h0 * G) * D, HG * G,
+                     QROWS, D)
+        tl.debug_barrier()  # q~ stored by every lane before any loads it below
     # importance a[h, c] = sum_g (q~_{hG+g, c} sigma_{h, c})^2 ; also w = q~ sigma and base per query head
     sig = tl.load(sig_ptr + (h0 + hh[:, None]) * D + cc[None, :], mask=hvalid[:, None], other=0.0)
     mu = tl.load(mu_ptr + (h0 + hh[:, None]) * D + cc[None, :], mask=hvalid[:, None], other=0.0)
@@ -1500,7 +1526,10 @@ def _v_slice(x, K: tl.constexpr, sb, tabr_ptr, p_hi, p_lo, acc):
 
 @triton.jit
 def _combine(part_ptr, mu_ptr, sig_ptr, out_ptr, NBLK, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-             G_PAD: tl.constexpr, D: tl.constexpr):
+             G_PAD: tl.constexpr, D: tl.constexpr, INV: tl.constexpr = False, mv_ptr=None, fin_ptr=None):
+    """Program b*Hkv + h: the blocks' partial outputs summed and the V transform's affine part undone
+    (mu + sigma x sum), stored to out_ptr in the V-transformed domain; INV: then also rotated back
+    (times M_V, at mv_ptr) into fin_ptr, instead of by a GEMM after the launch."""
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -1514,7 +1543,11 @@ def _combine(part_ptr, mu_ptr, sig_ptr, out_ptr, NBLK, HQ: tl.constexpr, HKV: tl
     mu = tl.load(mu_ptr + h * D + cc)
     sig = tl.load(sig_ptr + h * D + cc)
     out = mu[None, :] + sig[None, :] * acc
-    tl.store(out_ptr + (b * HQ + h * G + gg[:, None]) * D + cc[None, :], out, mask=msk)
+    row0 = (b * HQ + h * G) * D
+    tl.store(out_ptr + row0 + gg[:, None] * D + cc[None, :], out, mask=msk)
+    if INV:
+        tl.debug_barrier()  # the rows stored by every lane before the product reads them back in chunks
+        _rotate_rows(out_ptr + row0, D, 1, mv_ptr, fin_ptr + row0, G, G_PAD, D)
 
 
 def next_pow2(x: int) -> int:

@@ -253,6 +253,13 @@ class TritonReader:
         # warps of the per-block Value allocation kernels (importance, candidates, radix passes,
         # compaction) over 1024-token blocks; None: by step size (_alloc_warps)
         self.alloc_warps = alloc_warps
+        # the query and output transforms inside _prep and _combine (one group's / head's rows per program, a
+        # tf32x3 product: three TF32 MMAs, float32-accurate to ~2^-22) instead of a copy and two GEMMs around
+        # the step (five launches: cuBLAS's kernel and split-K reduction for each). "auto": where head_dim <=
+        # 128, the sizes where it measured faster (KERNEL_NOTES run 103: SmolLM2's d=64 kernel sum 135 -> 123
+        # us, d=128 B=32 747 -> 743 and B=1 101 -> 98; d=256, a [16, 256] x [256, 256] product per program,
+        # 213 -> 240); True, False: always, never
+        self.fuse_transforms: bool | str = "auto"
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
         # the Key allocation's lambda in _prep: 1 by 8 radix passes (histograms), 0 by a 32-step bisection,
         # None by the group's key count (_prep_radix)
@@ -593,6 +600,15 @@ class TritonReader:
             return self.key_loop
         return 0 if self.fixed_depth or tokens < 1 << 18 else 1
 
+    def _fuse_transforms(self, head_dim: int) -> bool:
+        """Whether _prep and _combine apply the query and output transforms (``fuse_transforms``)."""
+        v = self.fuse_transforms
+        if v == "auto":
+            return head_dim <= 128
+        if v not in (True, False, 0, 1):
+            raise ValueError(f"fuse_transforms must be 'auto', True or False, got {v!r}")
+        return bool(v)
+
     def _prep_radix(self) -> bool:
         """Whether ``_prep`` finds the Key allocation's lambda by radix passes (``prep_radix``; None =
         measured choice, KERNEL_NOTES run 73): 8 histograms cost more than 32 bisection steps over the
@@ -686,6 +702,9 @@ class TritonReader:
 
         spec, pol = self.codec.spec, self.policy
         check_device(q, k_pool, v_pool, page_table, lengths, plan.out)
+        if q.dim() != 3 or q.shape[1:] != (spec.n_q_heads, spec.head_dim) or not q.is_floating_point():
+            raise ValueError(f"q must be a float tensor [B, {spec.n_q_heads}, {spec.head_dim}], got "
+                             f"{q.dtype} {tuple(q.shape)}")
         b, hq, d = q.shape
         hk, g, w, p = spec.n_kv_heads, spec.group_size, spec.width, spec.page_size
         if b != plan.batch:
@@ -709,14 +728,20 @@ class TritonReader:
         nw, aw = self.num_warps, self._alloc_warps(b * hk * tmax)
 
         mark("start")
-        plan.qbuf.copy_(q)
-        torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
+        fuse = self._fuse_transforms(d)
+        if fuse:  # q~ = q M_K^T computed by _prep, one group's rows per program
+            qrot = dict(QROWS=max(16, next_pow2(self.hg * g)), q_ptr=q, sq_b=q.stride(0), sq_h=q.stride(1),
+                        sq_d=q.stride(2), mkT_ptr=c["mkT"])
+        else:
+            plan.qbuf.copy_(q)
+            torch.mm(plan.qbuf.view(-1, d), c["mkT"], out=plan.qt.view(-1, d))
+            qrot = {}
         mark("q_transform")
         _prep[(groups,)](plan.qt, sig_k, mu_k, c["rk"], plan.w_hi, plan.w_lo, plan.wf, plan.base, plan.kdep, plan.kord,
                          plan.kcnt, plan.hist, self.count_k, plan.rhist, plan.ihist, HQ=hq, HKV=hk, HG=self.hg, G=g,
                          D=d, KS=self.ks_k, KS_PAD=self.kspad_k, MIN_K=pol.min_depth_k, HG_PAD=next_pow2(self.hg),
                          RHW=self._rhw if self.refine else 0, TWO_PASS=plan.two_pass,
-                         KORDER=plan.key_loop, RADIX=self._prep_radix(), num_warps=self.prep_warps)
+                         KORDER=plan.key_loop, RADIX=self._prep_radix(), **qrot, num_warps=self.prep_warps)
         mark("prep")
         if plan.key_mma and plan.key_int8 != (self._bits("key_bits") < 0):
             raise ValueError(f"the plan was made for another key_bits than {self.key_bits!r}; plan again")
@@ -868,9 +893,11 @@ class TritonReader:
                                G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
                                FIXED_V=self.fixed_depth, T8=self._value_transposing(d), **vconst, num_warps=nw)
         mark("value_stage")
-        _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d,
+        inv = dict(INV=True, mv_ptr=c["mv"], fin_ptr=plan.out) if fuse else {}
+        _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d, **inv,
                             num_warps=4)
-        torch.mm(plan.out_t.view(-1, d), c["mv"], out=plan.out.view(-1, d))
+        if not fuse:
+            torch.mm(plan.out_t.view(-1, d), c["mv"], out=plan.out.view(-1, d))
         mark("combine_inverse")
         return plan.out
 

@@ -52,7 +52,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     #   segments 4 channels at a time)
     # + 2 compacting value stages
     # + FMA value stages (2 x 2 + 1) + 2 value orders + 2 radix selects
-    # + 2 x (hist, NPASS-1 radix passes ungated and gated, ties) + 3 others
+    # + 2 x (hist, NPASS-1 radix passes ungated and gated, ties) + 3 others (combine, encode, FP8)
+    #   + the combine with the output transform
     # + Key refinement, 2 x (score, 2 selects, NPASS-1 radix passes, ties, order, decode, stats)
     # + two-pass Value allocation, 2 x (importance histogram, gated radix pass 1, bracket, candidates, exact)
     #   and its sampled bracket, 2 x (the sample's histogram, bracket, candidates with the importances,
@@ -62,7 +63,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     # + the int8 Value stage, planes one and two at a time, and its two software-pipelined forms
     # + the depth-sorted order's block-wide slots, the gated tie counts (both readers)
     n_radix = NPASS.value - 1
-    assert len(recs) == (3 * 4 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 2 * (7 + n_radix) + 2 * 5 + 2
+    assert len(recs) == (3 * 4 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 1 + 2 * (7 + n_radix) + 2 * 5 + 2
                          + 2 + 2 + 2 + 1 + 2 + 2 + 2 * 4)
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]

@@ -110,6 +110,36 @@ def test_mqa_geometry() -> None:
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_query_and_output_transforms_in_the_kernels_equal_the_torch_gemms() -> None:
+    """q~ computed by _prep and the output rotated back by _combine (the default) give the depths and,
+    within float32 rounding, the output of the copy + torch.mm form; q may be fp16 and strided, and a
+    group's query rows (here 2 KV heads x 3) are padded to the product's 16."""
+    codec, cache, q = _setup(seed=21, lengths=[90, 61], hq=6, hk=2, d=64)
+    pol = ReadPolicy.flexible(2.0)
+    qh = q.half().transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hq, d], not contiguous
+    outs, deps = [], []
+    for fuse in (True, False):
+        reader = TritonReader(codec, pol)
+        reader.fuse_transforms = fuse
+        plan = reader.plan(2, 90, "cpu")
+        plan.out.fill_(float("nan"))
+        plan.qt.fill_(float("nan"))  # poison: _prep must write every row it reads
+        out, st = reader.decode(qh, cache, 0, plan=plan)
+        outs.append(out)
+        deps.append((st.k_depths, st.v_depths))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(deps[0][0], deps[1][0]) and torch.equal(deps[0][1], deps[1][1])
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 1e-6
+    args = (cache.k_pool[0], cache.v_pool[0], cache.page_table.to(torch.int32), cache.lengths[0].to(torch.int32), 0)
+    with pytest.raises(ValueError, match="q must be"):
+        reader.run(plan, qh[:, :4], *args)
+    reader.fuse_transforms = "always"
+    with pytest.raises(ValueError, match="fuse_transforms"):
+        reader.run(plan, qh, *args)
+    reader.fuse_transforms = "auto"  # by head dim, where it measured faster
+    assert [reader._fuse_transforms(d) for d in (64, 128, 256)] == [True, True, False]
+
+
 @pytest.mark.parametrize("codebook", ["gaussian-lloyd-tree", "uniform-linear-c3"])
 def test_encode_kernel_writes_the_reference_layout(codebook: str) -> None:
     syn = make_synthetic(n_tokens=100, n_rows=1, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=64, seed=11)

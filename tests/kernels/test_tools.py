@@ -116,3 +116,21 @@ def test_reader_settings_of_the_tools() -> None:
     assert reader.hist_window == 128 and reader.value_bits == "shifted"
     with pytest.raises(ValueError, match="no attribute 'nope'"):
         apply_settings(reader, {"nope": 1})
+
+
+def test_launch_floor_tool_refuses_without_a_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks/tools/launch_floor.py (KERNEL_NOTES run 101) times CUDA graphs: on a machine without a
+    GPU it stops with a message instead of a traceback, and it refuses counts below one."""
+    path = ROOT / "benchmarks" / "tools" / "launch_floor.py"
+    spec = importlib.util.spec_from_file_location("launch_floor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["launch_floor.py", "--json", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        mod.main()
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("sys.argv", ["launch_floor.py", "--chain", "0"])
+    with pytest.raises(SystemExit, match="positive counts"):
+        mod.main()
+    assert not (tmp_path / "out.json").exists()
