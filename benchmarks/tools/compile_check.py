@@ -113,6 +113,10 @@ def compile_alloc2(hk: int, hg: int, d: int, ks_v: int, kspv: int, min_v: int, p
             compile_one(A2._v_exact, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, RATE="fp64",
                                           BK="i32", BV_FIXED="i32", **cbp), dict(CAP=65536, SMALL=4096, **g, **cb),
                         num_warps=8, sass_dir=sd, tag=ts)
+        if sample > 1 and want(A2._v_exact_split):  # the binned exact pass over several programs per group
+            compile_one(A2._v_exact_split, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, cbins_ptr=P32,
+                                                keep_ptr=P32, RATE="fp64", BK="i32", BV_FIXED="i32"),
+                        dict(CAP=65536, CH=4096, KEEP=4096, **g, **cb), num_warps=8, sass_dir=sd, tag=ts)
         if sample > 1 and want(A2._value_sample):
             compile_one(A2._value_sample, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, hw_ptr=PI,
                                                ihist_ptr=P32, TMAX="i32", NSK="i32"),

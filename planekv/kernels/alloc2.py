@@ -209,17 +209,44 @@ def _bisect_chunks(cbase, n_scan, a, z, need_s, CH: tl.constexpr):
 
 
 @triton.jit
-def _bisect_regs(cbase, n_scan, a, z, need_s, SM: tl.constexpr):
-    """:func:`_bisect_chunks` for n_scan <= SM keys, held in registers: one load, then a reduction per
-    step."""
+def _bisect_regs(cbase, n_scan, a, z, need_s, SM: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """:func:`_bisect_chunks` for n_scan <= SM keys, held in registers: one load (VOLATILE: past L1, for
+    keys other programs of the launch stored), then a reduction per step."""
     sm = tl.arange(0, SM)
-    keys = tl.load(cbase + sm, mask=sm < n_scan, other=-1)
+    keys = tl.load(cbase + sm, mask=sm < n_scan, other=-1, volatile=VOLATILE)
     while a < z:
         mid = a + (z - a + 1) // 2
         ok = tl.sum((keys >= mid).to(tl.int32), 0) >= need_s
         a = tl.where(ok, mid, a)
         z = tl.where(ok, z, mid - 1)
     return a, tl.sum((keys > a).to(tl.int32), 0), tl.sum((keys == a).to(tl.int32), 0)
+
+
+@triton.jit
+def _exact_bin(meta, bins, need, CBINS: tl.constexpr):
+    """Lambda's bin of the candidates' histogram ``bins``: its key range [a, z] and the keys to take in it
+    (the bins above are all taken)."""
+    bb = tl.arange(0, CBINS)
+    hc = tl.load(bins + bb)
+    suf = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc  # candidates in bins >= b
+    jb = tl.max(tl.where(suf >= need, bb, -1), 0)  # (need <= the candidates: jb >= 0)
+    need_s = need - tl.sum(tl.where(bb > jb, hc, 0), 0)
+    shift = _load_scalar(meta + 6)
+    a = _load_scalar(meta) + 1 + (jb << shift)
+    return a, tl.minimum(_load_scalar(meta + 1), a + ((1 << shift) - 1)), need_s
+
+
+@triton.jit
+def _store_lambda(hbase, meta, lam, left, n_eq):
+    """lambda and the keys at it still to take (``left`` of the ``n_eq``), where the radix select leaves
+    them, and whether those keys need ranks (cmeta word 5)."""
+    rank = left < n_eq  # only some of the keys at lambda are taken: they need their ranks
+    # every key at lambda taken: lambda - 1 with none left to take selects the same keys (keys >= 0;
+    # none of those at lambda - 1 is taken), and no tie counts are needed
+    hb = hbase + SELBASE + 2 * (NPASS - 1)
+    tl.store(hb, tl.where(rank, lam, lam - 1))
+    tl.store(hb + 1, tl.where(rank, left, 0))
+    tl.store(meta + 5, rank.to(tl.int32))
 
 
 @triton.jit
@@ -256,14 +283,7 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         a = _load_scalar(meta) + 1  # lambda in [lo + 1, hi]
         z = _load_scalar(meta + 1)
         if CBINS > 0:  # the bisection then counts cbase[0, n_scan) and takes need_s of them
-            bb = tl.arange(0, CBINS)
-            hc = tl.load(cbins_ptr + grp * CBINS + bb)
-            suf = tl.sum(hc, 0) - tl.cumsum(hc, 0) + hc  # candidates in bins >= b
-            jb = tl.max(tl.where(suf >= need, bb, -1), 0)  # lambda's bin (need <= n_cand: jb >= 0)
-            need_s = need - tl.sum(tl.where(bb > jb, hc, 0), 0)  # the bins above are all taken
-            shift = _load_scalar(meta + 6)
-            a = a + (jb << shift)
-            z = tl.minimum(z, a + ((1 << shift) - 1))
+            a, z, need_s = _exact_bin(meta, cbins_ptr + grp * CBINS, need, CBINS)
             # the bin's candidates to the front, in place: a chunk's keys are all loaded (its prefix sum
             # waits for every lane) before any lane stores, and only below the chunk's end
             n_scan = n_cand * 0
@@ -280,16 +300,61 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         else:
             need_s = need
             lam, n_gt, n_eq = _bisect_chunks(cbase, n_cand, a, z, need, CH)
-        left = need_s - n_gt
-        rank = left < n_eq  # only some of the keys at lambda are taken: they need their ranks
-        # every key at lambda taken: lambda - 1 with none left to take selects the same keys (keys >= 0;
-        # none of those at lambda - 1 is taken), and no tie counts are needed
-        lam = tl.where(rank, lam, lam - 1)
-        left = tl.where(rank, left, 0)
-        hb = hist_ptr + grp * HSTRIDE + SELBASE + 2 * (NPASS - 1)
-        tl.store(hb, lam)
-        tl.store(hb + 1, left)
-        tl.store(meta + 5, rank.to(tl.int32))
+        _store_lambda(hist_ptr + grp * HSTRIDE, meta, lam, need_s - n_gt, n_eq)
+
+
+@triton.jit
+def _v_exact_split(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, cbins_ptr, keep_ptr, RATE, BK, BV_FIXED,
+                   USE_RATE: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                   MIN_V: tl.constexpr, PACKET: tl.constexpr, KS: tl.constexpr, CAP: tl.constexpr,
+                   CBINS: tl.constexpr, CH: tl.constexpr, KEEP: tl.constexpr):
+    """:func:`_v_exact`'s binned pass over CAP / CH programs per group (program (group, chunk)): each
+    finds lambda's bin from the candidates' histogram, appends its chunk's candidates in that bin to the
+    group's ``keep`` list (KEEP keys; one atomic per program for the slots, cmeta word 7), and arrives
+    (cmeta word 8); the last of the group's programs to arrive bisects among the kept keys (volatile
+    loads: written by other programs of this launch), or, where more than KEEP keys fell in the bin, over
+    every candidate within the bin's range, and stores lambda and the keys at it still to take as
+    :func:`_v_exact` does. The same results; the scan over the candidates no longer runs in one
+    program (KERNEL_NOTES run 105). The fall-back flags as in :func:`_v_exact` (program 0 stores them)."""
+    tl.static_assert((CH <= CAP) & (CAP % CH == 0), "programs of CH candidates over a buffer of CAP")
+    grp = tl.program_id(0)
+    ch = tl.program_id(1)
+    NCH: tl.constexpr = CAP // CH
+    b = grp // (HKV // HG)
+    T = _load_scalar(len_ptr + b)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    meta = cmeta_ptr + grp * CMETA
+    n_cand = _load_scalar(meta + 2)
+    need = count - _load_scalar(meta + 3)
+    held = (n_cand <= CAP) & (need > 0) & (need <= n_cand)
+    over = (count > 0) & ~held
+    if ch == 0:
+        tl.store(meta + 4, over.to(tl.int32))
+        tl.store(meta + 5, over.to(tl.int32))
+    if (count > 0) & held:
+        cbase = cand_ptr + grp * CAP
+        kbase = keep_ptr + grp * KEEP
+        cc = tl.arange(0, CH)
+        c0 = ch * CH
+        # (every program reads the bins, also one past the candidates: measured faster than reading them
+        # only where needed, the last program's read then following its arrival; KERNEL_NOTES run 106)
+        a, z, need_s = _exact_bin(meta, cbins_ptr + grp * CBINS, need, CBINS)
+        if c0 < n_cand:
+            keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
+            inb = ((keys >= a) & (keys <= z)).to(tl.int32)  # (a >= 0: the masked -1 is out)
+            k = tl.sum(inb, 0)
+            if k > 0:
+                slot = tl.atomic_add(meta + 7, k, sem="relaxed") + tl.cumsum(inb, 0) - inb
+                tl.store(kbase + slot, keys, mask=(inb > 0) & (slot < KEEP))
+        tl.debug_barrier()  # every lane's stores before thread 0's acq_rel arrival
+        if tl.atomic_add(meta + 8, 1, sem="acq_rel") == NCH - 1:
+            n_scan = tl.atomic_add(meta + 7, 0, sem="acquire")
+            if n_scan <= KEEP:
+                lam, n_gt, n_eq = _bisect_regs(kbase, n_scan, a, z, need_s, KEEP, True)
+            else:  # more keys in the bin than the list holds: count over every candidate, within the bin
+                lam, n_gt, n_eq = _bisect_chunks(cbase, n_cand, a, z, need, CH)
+                need_s = need  # (counted over every candidate: the bins above are in n_gt)
+            _store_lambda(hist_ptr + grp * HSTRIDE, meta, lam, need_s - n_gt, n_eq)
 
 
 @triton.jit

@@ -55,8 +55,8 @@ IHBINS = tl.constexpr(8192)
 IH_BINS = 8192
 KSEG = tl.constexpr(16)  # words per KV head of the Key stage's channel-list segments (>= W + 1)
 KSEG_WORDS = 16
-CMETA = tl.constexpr(8)
-CMETA_WORDS = 8
+CMETA = tl.constexpr(16)
+CMETA_WORDS = 16
 
 
 # ----------------------------------------------------------------------------- helpers

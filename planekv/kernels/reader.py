@@ -17,7 +17,7 @@ from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats, UniformLinearT
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ._dispatch import check_device
-from .alloc2 import _v_bracket, _v_cand, _v_exact, _value_sample
+from .alloc2 import _v_bracket, _v_cand, _v_exact, _v_exact_split, _value_sample
 from .decode import (
     CMETA_WORDS,
     HIST_STRIDE,
@@ -168,7 +168,7 @@ class Plan:
     two_pass: bool
     ihist: torch.Tensor  # [groups, (HG + 1) IH_BINS] i32: importance histogram per head, suffix sums
     # [groups, CMETA_WORDS] i32: lo, hi, candidates, keys above hi, fall back (overflow or miss), keys at
-    # lambda ranked, the candidates' histogram's bin shift
+    # lambda ranked, the candidates' histogram's bin shift, the split exact pass's kept keys and arrivals
     cmeta: torch.Tensor
     cand: torch.Tensor  # [groups, cap] i32: candidate keys
     cbins: torch.Tensor  # [groups, exact_bins] i32: the candidates' histogram over the bracket
@@ -188,6 +188,8 @@ class Plan:
     # block's tokens deepest first
     value_mma: bool = False
     vsort: bool = False  # _value_order lists deepest first (set with value_mma)
+    ckeep: torch.Tensor | None = None  # [groups, keep] i32: lambda's bin's candidates (the split exact pass)
+    exact_chunk: int = 0  # candidates per program of the split exact pass (0: one program per group)
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
@@ -195,7 +197,7 @@ class Plan:
                 self.logits, self.mstat, self.sstat,
                 self.vimp, self.vdep, self.vord, self.vcnt, self.hist, self.ties, self.part, self.out_t,
                 self.rhist, self.rsel, self.rtie, self.rcnt, self.rord, self.rcost, self.ihist, self.cmeta, self.cand,
-                self.cbins,
+                self.cbins, self.ckeep,
                 self.lin_off, self.lin_v, self.lin_steps, self.lin_base, self.lin_scale)
         return sum(t.numel() * t.element_size() for t in bufs if t is not None)
 
@@ -292,6 +294,14 @@ class TritonReader:
         # 6.8 us at R=2, 32.5 -> 11.8 at R=4, the candidates pass 5-6 us slower for the counts; run 97:
         # 1024 in registers measured as 4096); 0: a bisection over every candidate for each of the bracket's bits
         self.exact_bins = 4096
+        # with exact_bins, the exact pass's scan over the candidates split over programs of this many
+        # candidates each (the last of a group's programs to arrive bisects among the kept keys: up to
+        # _exact_keep of them, else over every candidate in the bin's range); 0: one program per group;
+        # "auto": 4096 where that makes at most 4 programs per SM (few groups, many candidates each), else 0
+        # (KERNEL_NOTES run 105: B=32 T=32768 flexible exact pass 24.6 -> 14.3 us at R=2, 48.1 -> 18.4 at R=4;
+        # the constrained reader's 256 groups of ~7k candidates 16.1 -> 54.9; 2048 per program slower)
+        self.exact_split: int | str = "auto"
+        self._exact_keep = 4096
         # warps of the two-pass allocation's per-group kernels (one program per group): _v_bracket 8 where
         # a group pools several KV heads' histograms, else 4 (None; KERNEL_NOTES run 78: B=32 T=32768
         # 17.0 -> 14.3 us, SmolLM2 10.8 -> 10.3; one head (d=256) 8.8 -> 9.3), _v_exact 8 (4 and 16 slower)
@@ -511,6 +521,9 @@ class TritonReader:
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
             cbins=opt(tp and self._exact_bins() > 0, groups, max(1, self.exact_bins), **i32),
+            ckeep=opt(tp and self._exact_bins() > 0 and self._exact_chunk(max_tokens, groups, dev) > 0, groups,
+                      self._exact_keep, **i32),
+            exact_chunk=self._exact_chunk(max_tokens, groups, dev) if tp and self._exact_bins() > 0 else 0,
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
@@ -644,6 +657,17 @@ class TritonReader:
         if not isinstance(v, int) or v != 0 and (v < 16 or v & (v - 1)):
             raise ValueError(f"exact_bins must be 0 or a power of two >= 16, got {v!r}")
         return v
+
+    def _exact_chunk(self, max_tokens: int, groups: int, dev: torch.device | str) -> int:
+        """Candidates per program of the split exact pass (``exact_split``; 0: the one-program pass), at
+        most the candidate buffer; a power of two."""
+        v = self.exact_split
+        cap = self._cap(max_tokens)
+        if v == "auto":
+            return min(4096, cap) if groups * max(1, cap // 4096) <= 4 * _sm_count(torch.device(dev)) else 0
+        if not isinstance(v, int) or v < 0 or (v and v & (v - 1)):
+            raise ValueError(f"exact_split must be 'auto', 0 or a power of two, got {v!r}")
+        return min(v, cap)
 
     def _two_pass(self, tokens: int) -> bool:
         """Whether a plan for ``tokens`` (sequence, KV head, position) triples uses the two-pass
@@ -823,9 +847,14 @@ class TritonReader:
                           hw_ptr=c["hw"][layer], NSK=nsk, **imp_args) if sample > 1 else {}
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
                               BLK=self._blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
-                _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
-                                    **gsel, **cb,
-                                    num_warps=self.exact_warps)
+                ch = plan.exact_chunk if nb else 0
+                if ch:  # the scan split over programs
+                    _v_exact_split[(groups, cap // ch)](plan.hist, lengths, plan.cmeta, plan.cand, plan.cbins,
+                                                        plan.ckeep, rate, self.bk, bv_fixed, CAP=cap, CBINS=nb, CH=ch,
+                                                        KEEP=plan.ckeep.shape[1], **gsel, num_warps=8)
+                else:
+                    _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
+                                        **gsel, **cb, num_warps=self.exact_warps)
                 mark("value_two_pass")
             if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,

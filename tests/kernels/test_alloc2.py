@@ -280,3 +280,37 @@ def test_binned_exact_pass_equals_the_bisection(name: str, sample: int) -> None:
         assert torch.equal(l1[held], l0[held])  # lambda and the keys at it left to take
         assert torch.equal(cb.sum(1)[held], m1[held, 2])  # every candidate counted once
         assert torch.equal(d1, d0) and torch.equal(o1, o0)
+
+
+@pytest.mark.parametrize("name,keep", [("flexible-r2-k0.3", 4096), ("constrained-r2", 2)])
+def test_split_exact_pass_equals_the_one_program_pass(name: str, keep: int) -> None:
+    """``exact_split``: the scan for lambda's bin over programs of 64 candidates each (several per group),
+    the last to arrive bisecting among the kept keys, gives the one-program pass's lambda, keys left to
+    take, depths and output; keep=2 (fewer slots than the bin's keys) takes the bisection over every
+    candidate in the bin's range instead."""
+    policy = POLICIES[name]
+    lengths = [150, 97]
+    codec, cache, q = _setup(seed=60 + len(name), lengths=lengths)
+    got = {}
+    for split in (0, 64):
+        reader = TritonReader(codec, policy, value_alloc="two-pass")
+        reader.exact_split, reader._exact_keep, reader.exact_bins = split, keep, 16
+        plan = reader.plan(2, 150, "cpu", block_tokens=64)
+        assert split == 0 or plan.cand.shape[1] // split > 1  # several programs per group
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        got[split] = (out, st.v_depths, plan.hist[:, 128:144].clone(), plan.cmeta.clone())
+    (o0, d0, l0, m0), (o1, d1, l1, m1) = got[0], got[64]
+    held = m1[:, 4] == 0
+    assert bool(held.any()) and torch.equal(m1[:, :7], m0[:, :7])
+    assert torch.equal(m1[held, 8], torch.full_like(m1[held, 8], plan.cand.shape[1] // 64))  # every program arrived
+    if keep == 2:
+        assert bool((m1[held, 7] > keep).any())  # some bin held more keys than the list
+    assert torch.equal(l1[held], l0[held])
+    assert torch.equal(d1, d0) and torch.equal(o1, o0)
+    auto = TritonReader(codec, policy, value_alloc="two-pass")  # split where groups x programs <= 4 per SM
+    assert auto._exact_chunk(32768, 32, "cpu") == 4096 and auto._exact_chunk(32768, 256, "cpu") == 0
+    bad = TritonReader(codec, policy, value_alloc="two-pass")
+    bad.exact_split = 48
+    with pytest.raises(ValueError, match="exact_split"):
+        bad.plan(2, 150, "cpu")

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_prep", "_key_stage", "_key_stage_t8", "_key_stage_f", "_value_order", "_value_stage_f", "_radix_select",
            "_value_hist", "_value_radix", "_value_ties", "_value_stage", "_value_stage_c", "_combine", "_encode_append",
            "_fp8_stage1", "_refine_score", "_refine_select", "_refine_radix", "_refine_ties", "_refine_order",
-           "_key_refine_f", "_key_restat", "_v_bracket", "_v_cand", "_v_exact", "_value_sample", "_lin_prep",
-           "_key_stage_mma",
+           "_key_refine_f", "_key_restat", "_v_bracket", "_v_cand", "_v_exact", "_v_exact_split", "_value_sample",
+           "_lin_prep", "_key_stage_mma",
            "_value_stage_mma", "_lin_prep_i8", "_key_stage_imma", "_value_stage_imma"}
 
 
@@ -57,13 +57,13 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     # + Key refinement, 2 x (score, 2 selects, NPASS-1 radix passes, ties, order, decode, stats)
     # + two-pass Value allocation, 2 x (importance histogram, gated radix pass 1, bracket, candidates, exact)
     #   and its sampled bracket, 2 x (the sample's histogram, bracket, candidates with the importances,
-    #   the binned exact pass)
+    #   the binned exact pass in one program and split over several)
     # + the bit-product Key stage (linear codebooks): its operand kernel and the stage, fp16 and int8
     # + the bit-product Value stage and the depth-sorted value order (flexible) it reads
     # + the int8 Value stage, planes one and two at a time, and its two software-pipelined forms
     # + the depth-sorted order's block-wide slots, the gated tie counts (both readers)
     n_radix = NPASS.value - 1
     assert len(recs) == (3 * 4 + 10 + 2 + 5 + 2 + 2 + 2 * (1 + 2 * n_radix + 1) + 3 + 1 + 2 * (7 + n_radix) + 2 * 5 + 2
-                         + 2 + 2 + 2 + 1 + 2 + 2 + 2 * 4)
+                         + 2 + 2 + 2 + 1 + 2 + 2 + 2 * 5)
     for r in recs:
         assert r["registers"] is not None and r["registers"] <= 255, r["line"]
