@@ -257,7 +257,8 @@ class TritonReader:
         self.alloc_warps = alloc_warps
         # the query and output transforms inside _prep and _combine (one group's / head's rows per program, a
         # tf32x3 product: three TF32 MMAs, float32-accurate to ~2^-22) instead of a copy and two GEMMs around
-        # the step (five launches: cuBLAS's kernel and split-K reduction for each). "auto": where head_dim <=
+        # the step (three to five launches: cuBLAS adds a split-K reduction to each at small batches). "auto":
+        # where head_dim <=
         # 128, the sizes where it measured faster (KERNEL_NOTES run 103: SmolLM2's d=64 kernel sum 135 -> 123
         # us, d=128 B=32 747 -> 743 and B=1 101 -> 98; d=256, a [16, 256] x [256, 256] product per program,
         # 213 -> 240); True, False: always, never
@@ -487,6 +488,7 @@ class TritonReader:
         key_ch = 1  # up to key_ch_max channels at a time, as many as fill key_ch_max warps with token rows
         if small and key_loop == 0 and self.key_channels and self.assembly == "fma":
             key_ch = max(1, min(self.key_ch_max, 32 * self.key_ch_max // (pages_per_program * p // 8)))
+        exact_chunk = self._exact_chunk(max_tokens, groups, dev) if tp and self._exact_bins() > 0 else 0
 
         def opt(on: bool, *shape: int, **kw) -> torch.Tensor:
             """A stage's buffer, or a one-element placeholder when the stage is off."""
@@ -521,9 +523,7 @@ class TritonReader:
             cmeta=opt(tp, groups, CMETA_WORDS, **i32),
             cand=opt(tp, groups, self._cap(max_tokens), **i32),
             cbins=opt(tp and self._exact_bins() > 0, groups, max(1, self.exact_bins), **i32),
-            ckeep=opt(tp and self._exact_bins() > 0 and self._exact_chunk(max_tokens, groups, dev) > 0, groups,
-                      self._exact_keep, **i32),
-            exact_chunk=self._exact_chunk(max_tokens, groups, dev) if tp and self._exact_bins() > 0 else 0,
+            ckeep=opt(exact_chunk > 0, groups, self._exact_keep, **i32), exact_chunk=exact_chunk,
             key_loop=key_loop, key_ch=key_ch, key_mma=mma,
             lin_off=opt(mma, batch * hk, self._lin_smax, 16, **i32),
             lin_v=opt(mma, batch * hk, self._lin_smax, 128, dtype=torch.float16, device=dev),
