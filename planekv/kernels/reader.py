@@ -981,8 +981,10 @@ class TritonReader:
         if plan is None:
             plan = self._plan_cache.get((b, q.device))
             if plan is None or plan.max_tokens < t_max:
-                # grow in steps of 4096 tokens so decode steps re-plan rarely
-                plan = self.plan(b, -(-t_max // 4096) * 4096, q.device)
+                # grow in steps of 4096 tokens on the GPU so decode steps re-plan rarely; of 256 in Triton's
+                # interpreter (CPU tensors), whose time grows with the planned tokens, not the stored ones
+                step = 4096 if q.device.type == "cuda" else 256
+                plan = self.plan(b, -(-t_max // step) * step, q.device)
                 self._plan_cache[(b, q.device)] = plan
         elif plan.max_tokens < t_max or plan.batch != b:
             raise ValueError(f"plan for {plan.batch} x {plan.max_tokens} tokens cannot serve {b} x {t_max}")

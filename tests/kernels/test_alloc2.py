@@ -90,8 +90,7 @@ def test_value_alloc_is_checked_and_chosen_by_step_size() -> None:
         bins.plan(1, 64, "cpu")
 
 
-@pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2"])
-@pytest.mark.parametrize("alloc,cap", [("radix", None), ("two-pass", 2)])
+@pytest.mark.parametrize("name,alloc,cap", [("constrained-r2", "radix", None), ("flexible-r2-k0.3", "two-pass", 2)])
 def test_selection_by_the_last_program_equals_separate_launches(name: str, alloc: str, cap: int | None) -> None:
     """Each radix pass's selection run by the group's last program to finish (``fused_select``, the
     default) gives the launches' lambda, depths and output, bit for bit, over several blocks and

@@ -194,6 +194,8 @@ def test_readkv_decode_is_a_drop_in_for_the_reference() -> None:
     out, st = triton_decode(q, cache, 0, codec, pol, scale=0.1)
     assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    # its plan, kept for the next steps, grows in steps of 256 tokens off the GPU (4096 on it)
+    assert reader_mod._READERS[(codec.format_id, pol)]._plan_cache[(2, q.device)].max_tokens == 256
 
 
 @pytest.mark.parametrize("pages_per_program,d", [(4, 256), (2, 64)])
