@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,46 @@ def test_launch_floor_tool_refuses_without_a_gpu(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(SystemExit, match="positive counts"):
         mod.main()
     assert not (tmp_path / "out.json").exists()
+
+
+def _ncu_csv(steps: list[list[tuple[str, float, float, float, float]]]) -> str:
+    """An ncu --csv text: a banner line, then one row per (launch, metric) as Nsight Compute prints them."""
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows, i = ["==PROF== Connected to process 1", head], 0
+    for step in steps:
+        for name, us, inst, rd, wr in step:
+            for metric, unit, v in (("gpu__time_duration.sum", "us", us), ("smsp__inst_executed.sum", "inst", inst),
+                                    ("dram__bytes_read.sum", "MB", rd), ("dram__bytes_write.sum", "MB", wr)):
+                rows.append(f'"{i}","{name}","{metric}","{unit}","{v:,}"')
+            i += 1
+    return "\n".join(rows) + "\n"
+
+
+def test_ncu_floors_sums_the_last_step_per_kernel(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/tools/ncu_floors.py (KERNEL_NOTES run 101): the profiled step is the last period of the
+    launch sequence (from the anchor's launches), a kernel's launches are summed, and each floor is its
+    instructions at one per scheduler and cycle or its bytes at the given bandwidth."""
+    path = ROOT / "benchmarks" / "tools" / "ncu_floors.py"
+    spec = importlib.util.spec_from_file_location("ncu_floors", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ncu_floors", mod)  # (its dataclass resolves annotations there)
+    spec.loader.exec_module(mod)
+    setup = [("fill", 1.0, 10.0, 0.0, 1.0)]
+    step = [("copy", 2.0, 5.0, 0.1, 0.0), ("_prep", 20.0, 1056.0, 0.0, 0.0), ("_radix", 3.0, 10.0, 0.0, 0.0),
+            ("_radix", 4.0, 10.0, 0.0, 0.0), ("_stage", 100.0, 1056.0e3, 420.0, 0.0)]
+    warm = [(n, 10 * us, i, r, w) for n, us, i, r, w in step]  # the warm-up step: other times, same launches
+    f = tmp_path / "step.csv"
+    f.write_text(_ncu_csv([setup, warm, step]))
+    ks = mod.floors(mod.last_step(mod.read_launches(f.read_text()), "_prep"))
+    assert [(k.name, k.launches) for k in ks] == [("copy", 1), ("_prep", 1), ("_radix", 2), ("_stage", 1)]
+    assert ks[2].us == pytest.approx(7.0) and ks[3].read == pytest.approx(420e6)
+    assert mod.main([str(f), "--sms", "1", "--clock-ghz", "1.0", "--dram-tbps", "4.2"]) == 0
+    out = capsys.readouterr().out
+    # _stage: 1.056e6 instructions at 4 per ns -> 264 us; 420 MB at 4.2 TB/s -> 100 us; the sum of the
+    # larger floors: copy 0.024 (its 0.1 MB) + _prep 0.264 + _radix 0.005 + _stage 264
+    assert "| _stage | 1 | 100.0 | 264.0 | 420.0 / 0.0 | 100.0 |" in out
+    assert "step 129.0 us" in out and "max(instr., DRAM) 264.3 us" in out
+    f.write_text(_ncu_csv([step]))
+    with pytest.raises(SystemExit, match="profile a warm-up step"):
+        mod.main([str(f)])
