@@ -348,8 +348,8 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
                         tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
                         maxnreg=VALUE_MAXNREG[vpf])
-        for inv in (False, True):  # the output rotated back by a GEMM after it, or in it (fuse_transforms)
-            if want(K._combine):
+        if want(K._combine):
+            for inv in (False, True):  # the output rotated back by a GEMM after it, or in it (fuse_transforms)
                 compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32",
                                              mv_ptr=PI, fin_ptr=PI),
                             dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, INV=inv), num_warps=4, sass_dir=sd,

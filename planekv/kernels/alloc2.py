@@ -223,6 +223,27 @@ def _bisect_regs(cbase, n_scan, a, z, need_s, SM: tl.constexpr, VOLATILE: tl.con
 
 
 @triton.jit
+def _exact_start(grp, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, HKV: tl.constexpr,
+                 HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
+                 KS: tl.constexpr, CAP: tl.constexpr, flag):
+    """An exact pass's group: its cmeta words, count, candidates, keys to take among them (above hi: all
+    taken), and whether the bracket held lambda without overflowing; where ``flag``, the fall-back flags
+    stored (cmeta words 4 and 5: the radix passes and the tie counts run for a group that did not hold)."""
+    b = grp // (HKV // HG)
+    T = _load_scalar(len_ptr + b)
+    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
+    meta = cmeta_ptr + grp * CMETA
+    n_cand = _load_scalar(meta + 2)
+    need = count - _load_scalar(meta + 3)
+    held = (n_cand <= CAP) & (need > 0) & (need <= n_cand)
+    if flag:
+        over = ((count > 0) & ~held).to(tl.int32)
+        tl.store(meta + 4, over)
+        tl.store(meta + 5, over)
+    return meta, count, n_cand, need, held
+
+
+@triton.jit
 def _exact_bin(meta, bins, need, CBINS: tl.constexpr):
     """Lambda's bin of the candidates' histogram ``bins``: its key range [a, z] and the keys to take in it
     (the bins above are all taken)."""
@@ -264,16 +285,8 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
     candidate for each of the bracket's bits), with the keys in registers when they are at most
     SMALL."""
     grp = tl.program_id(0)
-    b = grp // (HKV // HG)
-    T = _load_scalar(len_ptr + b)
-    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    meta = cmeta_ptr + grp * CMETA
-    n_cand = _load_scalar(meta + 2)
-    need = count - _load_scalar(meta + 3)  # keys to take among the candidates
-    held = (n_cand <= CAP) & (need > 0) & (need <= n_cand)
-    over = (count > 0) & ~held
-    tl.store(meta + 4, over.to(tl.int32))
-    tl.store(meta + 5, over.to(tl.int32))  # the keys at lambda need ranks (_value_ties runs for the group)
+    meta, count, n_cand, need, held = _exact_start(grp, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE, HKV, HG, D,
+                                                   W, MIN_V, PACKET, KS, CAP, True)
     if (count > 0) & held:
         # the candidates in chunks of CH (L1-resident after the first step): work in proportion to
         # n_cand, not CAP, and as many steps as the bracket has bits (a while loop, not 32)
@@ -320,17 +333,8 @@ def _v_exact_split(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, cbins_ptr, keep_ptr, 
     grp = tl.program_id(0)
     ch = tl.program_id(1)
     NCH: tl.constexpr = CAP // CH
-    b = grp // (HKV // HG)
-    T = _load_scalar(len_ptr + b)
-    count = _v_count(T, RATE, BK, BV_FIXED, USE_RATE, D, W, HG, MIN_V, PACKET, KS)
-    meta = cmeta_ptr + grp * CMETA
-    n_cand = _load_scalar(meta + 2)
-    need = count - _load_scalar(meta + 3)
-    held = (n_cand <= CAP) & (need > 0) & (need <= n_cand)
-    over = (count > 0) & ~held
-    if ch == 0:
-        tl.store(meta + 4, over.to(tl.int32))
-        tl.store(meta + 5, over.to(tl.int32))
+    meta, count, n_cand, need, held = _exact_start(grp, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE, HKV, HG, D,
+                                                   W, MIN_V, PACKET, KS, CAP, ch == 0)
     if (count > 0) & held:
         cbase = cand_ptr + grp * CAP
         kbase = keep_ptr + grp * KEEP

@@ -258,10 +258,9 @@ class TritonReader:
         # the query and output transforms inside _prep and _combine (one group's / head's rows per program, a
         # tf32x3 product: three TF32 MMAs, float32-accurate to ~2^-22) instead of a copy and two GEMMs around
         # the step (three to five launches: cuBLAS adds a split-K reduction to each at small batches). "auto":
-        # where head_dim <=
-        # 128, the sizes where it measured faster (KERNEL_NOTES run 103: SmolLM2's d=64 kernel sum 135 -> 123
-        # us, d=128 B=32 747 -> 743 and B=1 101 -> 98; d=256, a [16, 256] x [256, 256] product per program,
-        # 213 -> 240); True, False: always, never
+        # where head_dim <= 128, the sizes where it measured faster (KERNEL_NOTES run 103: SmolLM2's d=64
+        # kernel sum 135 -> 123 us, d=128 B=32 747 -> 743 and B=1 101 -> 98; d=256, a [16, 256] x [256, 256]
+        # product per program, 213 -> 240); True, False: always, never
         self.fuse_transforms: bool | str = "auto"
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
         # the Key allocation's lambda in _prep: 1 by 8 radix passes (histograms), 0 by a 32-step bisection,

@@ -16,12 +16,19 @@ from planekv.kvstore.codebook import GaussianTree
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _linear_codebook():
-    path = ROOT / "benchmarks" / "tools" / "linear_codebook.py"
-    spec = importlib.util.spec_from_file_location("linear_codebook", path)
+def _tool(name: str, monkeypatch: pytest.MonkeyPatch | None = None):
+    """benchmarks/tools/<name>.py as a module (registered in sys.modules for the test where given a
+    monkeypatch: a dataclass there resolves its annotations through it)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _linear_codebook():
+    return _tool("linear_codebook")
 
 
 def test_additive_fit_of_the_tree_is_exact_to_depth_2_and_far_off_deeper() -> None:
@@ -64,10 +71,7 @@ def test_timeline_report_lists_kernels_by_time() -> None:
 def test_word_reads_round_each_word_up_to_its_deepest_channel() -> None:
     """The token-major layout study (KERNEL_NOTES, the binary-MMA plan): a word of channels is read to
     its deepest channel's depth, so mixing depths in a word costs bits and sorting by depth saves them."""
-    path = ROOT / "benchmarks" / "tools" / "key_word_reads.py"
-    spec = importlib.util.spec_from_file_location("key_word_reads", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("key_word_reads")
     import torch
 
     dep = torch.tensor([[8, 0, 0, 0, 1, 1, 1, 1]])
@@ -84,10 +88,7 @@ def test_layout_bytes_count_the_granules_each_layout_touches() -> None:
     """value_layout_bytes.py (KERNEL_NOTES run 67): plane-major Value rows (16 bytes at d = 128) share a
     granule with their neighbours only in the planes both reach; token-major rows keep a token's
     planes together; Key planes are counted per page and granule of channels."""
-    path = ROOT / "benchmarks" / "tools" / "value_layout_bytes.py"
-    spec = importlib.util.spec_from_file_location("value_layout_bytes", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("value_layout_bytes")
     import torch
 
     dep = torch.tensor([[[1, 0, 0, 2, 4, 4, 0, 3]]])  # one head, 8 tokens, logical 14 rows = 224 bytes
@@ -122,10 +123,7 @@ def test_reader_settings_of_the_tools() -> None:
 def test_launch_floor_tool_refuses_without_a_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """benchmarks/tools/launch_floor.py (KERNEL_NOTES run 101) times CUDA graphs: on a machine without a
     GPU it stops with a message instead of a traceback, and it refuses counts below one."""
-    path = ROOT / "benchmarks" / "tools" / "launch_floor.py"
-    spec = importlib.util.spec_from_file_location("launch_floor", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("launch_floor")
     monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("sys.argv", ["launch_floor.py", "--json", str(tmp_path / "out.json")])
     with pytest.raises(SystemExit, match="needs a GPU"):
@@ -155,11 +153,7 @@ def test_ncu_floors_sums_the_last_step_per_kernel(tmp_path: Path, capsys: pytest
     """benchmarks/tools/ncu_floors.py (KERNEL_NOTES run 101): the profiled step is the last period of the
     launch sequence (from the anchor's launches), a kernel's launches are summed, and each floor is its
     instructions at one per scheduler and cycle or its bytes at the given bandwidth."""
-    path = ROOT / "benchmarks" / "tools" / "ncu_floors.py"
-    spec = importlib.util.spec_from_file_location("ncu_floors", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ncu_floors", mod)  # (its dataclass resolves annotations there)
-    spec.loader.exec_module(mod)
+    mod = _tool("ncu_floors", monkeypatch)
     setup = [("fill", 1.0, 10.0, 0.0, 1.0)]
     step = [("copy", 2.0, 5.0, 0.1, 0.0), ("_prep", 20.0, 1056.0, 0.0, 0.0), ("_radix", 3.0, 10.0, 0.0, 0.0),
             ("_radix", 4.0, 10.0, 0.0, 0.0), ("_stage", 100.0, 1056.0e3, 420.0, 0.0)]
