@@ -307,6 +307,15 @@ class TritonReader:
         # 17.0 -> 14.3 us, SmolLM2 10.8 -> 10.3; one head (d=256) 8.8 -> 9.3), _v_exact 8 (4 and 16 slower)
         self.bracket_warps: int | None = None
         self.exact_warps = 8
+        # warps of _v_exact_split and of _value_sample (KERNEL_NOTES run 113: the split exact pass 14.3 -> 14.0 us
+        # at B=32 T=32768, 12.8 -> 11.3 in SmolLM2's geometry and at d=256 with 4 instead of 8, 16 slower; the
+        # sample kernel fastest at 4, 2 and 8 slower)
+        self.exact_split_warps = 4
+        self.sample_warps = 4
+        # warps of _combine (one program per (sequence, KV head)): 8 measured faster than 4 everywhere (KERNEL_NOTES
+        # run 112: d=256, the output rotated by the GEMM after it, 11.9 -> 4.6 us; B=1 7.2 -> 6.1; B=32 d=128
+        # with the rotation inside 12.5 -> 11.9); 2 slower
+        self.combine_warps = 8
         # radix-pass histograms: 1 one of 2 x NBINS bins over all steps' keys (masked keys in the upper
         # half, not added), 0 one per step of 1-D keys; both exact on the GPU, 1 faster (KERNEL_NOTES
         # run 41: B=1 T=8192 passes 29.7 -> 25.1 us, pass 1 8.3 -> 5.6 us)
@@ -317,6 +326,10 @@ class TritonReader:
         # the two-pass allocation's tie counts only in groups where some keys at lambda are not taken
         # (elsewhere _v_exact moves lambda to lambda - 1 with none left to take: the same depths)
         self.tie_gate = 1
+        # programs per (sequence, KV head) of a gated radix pass (they stride over the blocks). 1 makes the eight
+        # passes that find nothing to do cheaper (KERNEL_NOTES runs 111-112: B=32 T=32768 15.1 -> 8.5 us, SmolLM2's
+        # geometry 11.3 -> 8.5) but a step where a group falls back ~4x slower in them; kept at 4
+        self.gated_splits = GATED_SPLITS
         # the Key stage as a product of plane bits for codebooks linear in the planes (planekv.kernels.
         # linear; KERNEL_NOTES run 46): on CUDA devices (inline PTX) with the FMA stages, 64-token pages,
         # up to 4 query heads per KV head; "auto" where it measured faster, True
@@ -822,7 +835,7 @@ class TritonReader:
                 _value_sample[(b * hk, -(-nblk // span))](plan.logits, plan.mstat, plan.sstat, lengths,
                                                                  c["hw"][layer], plan.ihist, tmax, nsk, HKV=hk,
                                                                  HG=self.hg, TOK=span * self._blk, SAMPLE=sample,
-                                                                 **imp_args, num_warps=4)
+                                                                 **imp_args, num_warps=self.sample_warps)
             else:
                 _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
                                   c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
@@ -850,7 +863,8 @@ class TritonReader:
                 if ch:  # the scan split over programs
                     _v_exact_split[(groups, cap // ch)](plan.hist, lengths, plan.cmeta, plan.cand, plan.cbins,
                                                         plan.ckeep, rate, self.bk, bv_fixed, CAP=cap, CBINS=nb, CH=ch,
-                                                        KEEP=plan.ckeep.shape[1], **gsel, num_warps=8)
+                                                        KEEP=plan.ckeep.shape[1], **gsel,
+                                                        num_warps=self.exact_split_warps)
                 else:
                     _v_exact[(groups,)](plan.hist, lengths, plan.cmeta, plan.cand, rate, self.bk, bv_fixed, CAP=cap,
                                         **gsel, **cb, num_warps=self.exact_warps)
@@ -858,7 +872,7 @@ class TritonReader:
             if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
                                          **gsel, num_warps=1)
-            rgrid = (b * hk, min(nblk, GATED_SPLITS)) if tp else grid
+            rgrid = (b * hk, min(nblk, int(self.gated_splits))) if tp else grid
             for pas in range(1 if tp else 2, NPASS.value + 1):
                 _value_radix[rgrid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk,
                                     bv_fixed, nblk, USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp,
@@ -923,7 +937,7 @@ class TritonReader:
         mark("value_stage")
         inv = dict(INV=True, mv_ptr=c["mv"], fin_ptr=plan.out) if fuse else {}
         _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d, **inv,
-                            num_warps=4)
+                            num_warps=self.combine_warps)
         if not fuse:
             torch.mm(plan.out_t.view(-1, d), c["mv"], out=plan.out.view(-1, d))
         mark("combine_inverse")

@@ -43,6 +43,31 @@ def test_two_pass_equals_radix_select(name: str, cap: int | None) -> None:
     assert ((o_t - ref).norm() / ref.norm()).item() < 1e-3
 
 
+def test_gated_passes_striding_over_blocks_equal_one_program_per_block() -> None:
+    """A gated radix pass runs ``gated_splits`` programs per (sequence, KV head), each striding over the
+    blocks: with one program for all five blocks the fallen-back groups get the same depths and output
+    as with a program per block, and as the radix select."""
+    policy = POLICIES["flexible-r2-k0.3"]
+    lengths = [300, 170]
+    codec, cache, q = _setup(seed=11, lengths=lengths)
+    runs = {}
+    for splits in (1, 8):
+        reader = TritonReader(codec, policy, value_alloc="two-pass", cand_cap=2)
+        reader.hist_sample = 0
+        reader.gated_splits = splits
+        plan = reader.plan(2, 300, "cpu", block_tokens=64)  # 5 blocks in the longer sequence
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        assert bool(plan.cmeta[:, 4].bool().any())  # some group fell back to the gated passes
+        runs[splits] = (out, st)
+    radix = TritonReader(codec, policy, value_alloc="radix")
+    plan = radix.plan(2, 300, "cpu", block_tokens=64)
+    o_r, s_r = radix.decode(q, cache, 0, plan=plan)
+    for out, st in runs.values():
+        assert torch.equal(st.v_depths, s_r.v_depths)
+        assert torch.equal(out, o_r)
+
+
 def test_two_pass_bracket_holds_lambda_with_few_candidates() -> None:
     """On a longer sequence the bracket from the importance histogram holds a small share of the
     keys and lambda lies inside it."""
