@@ -135,6 +135,32 @@ def test_launch_floor_tool_refuses_without_a_gpu(monkeypatch: pytest.MonkeyPatch
     assert not (tmp_path / "out.json").exists()
 
 
+def test_launch_floor_takes_only_known_pdl_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pdl`` (KERNEL_NOTES run 108) takes the levels 0, 1 and 2 only."""
+    mod = _tool("launch_floor")
+    monkeypatch.setattr("sys.argv", ["launch_floor.py", "--pdl", "3"])
+    with pytest.raises(SystemExit):
+        mod.main()
+
+
+def test_l2_fetch_wrapper_checks_its_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """benchmarks/tools/with_l2_fetch.py (KERNEL_NOTES run 110) takes 0-128 bytes or 'none' and a script,
+    and stops with a message on a machine without a GPU, before running the script."""
+    mod = _tool("with_l2_fetch")
+    script = tmp_path / "s.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    for argv, msg in ((["w.py", "32"], "usage"), (["w.py", "256", str(script)], "0-128"),
+                      (["w.py", "x", str(script)], "0-128")):
+        monkeypatch.setattr("sys.argv", argv)
+        with pytest.raises(SystemExit, match=msg):
+            mod.main()
+    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["w.py", "32", str(script)])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        mod.main()
+    assert not (tmp_path / "s.py.ran").exists()
+
+
 def _ncu_csv(steps: list[list[tuple[str, float, float, float, float]]]) -> str:
     """An ncu --csv text: a banner line, then one row per (launch, metric) as Nsight Compute prints them."""
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
