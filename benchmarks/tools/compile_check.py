@@ -116,7 +116,7 @@ def compile_alloc2(hk: int, hg: int, d: int, ks_v: int, kspv: int, min_v: int, p
         if sample > 1 and want(A2._v_exact_split):  # the binned exact pass over several programs per group
             compile_one(A2._v_exact_split, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, cand_ptr=P32, cbins_ptr=P32,
                                                 keep_ptr=P32, RATE="fp64", BK="i32", BV_FIXED="i32"),
-                        dict(CAP=65536, CH=4096, KEEP=4096, **g, **cb), num_warps=8, sass_dir=sd, tag=ts)
+                        dict(CAP=65536, CH=4096, KEEP=4096, **g, **cb), num_warps=4, sass_dir=sd, tag=ts)
         if sample > 1 and want(A2._value_sample):
             compile_one(A2._value_sample, dict(logit_ptr=PI, mstat_ptr=PI, sstat_ptr=PI, len_ptr=P32, hw_ptr=PI,
                                                ihist_ptr=P32, TMAX="i32", NSK="i32"),
@@ -352,7 +352,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             for inv in (False, True):  # the output rotated back by a GEMM after it, or in it (fuse_transforms)
                 compile_one(K._combine, dict(part_ptr=PI, mu_ptr=PI, sig_ptr=PI, out_ptr=PI, NBLK="i32",
                                              mv_ptr=PI, fin_ptr=PI),
-                            dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, INV=inv), num_warps=4, sass_dir=sd,
+                            dict(HQ=hq, HKV=hk, G=g, G_PAD=gp, D=d, INV=inv), num_warps=8, sass_dir=sd,
                             tag=tag + ("-inv" if inv else ""))
         if want(E._encode_append):
             compile_one(E._encode_append, dict(k_ptr=PI, v_ptr=PI, kw_ptr=P32, vw_ptr=P32, pt_ptr=P32, start_ptr=P32,

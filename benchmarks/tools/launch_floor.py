@@ -7,8 +7,9 @@ For each chain length n and grid size, a graph of n launches of a Triton kernel 
 written by the launch before and writes it back plus one (so each launch depends on the previous one's
 store, as a step's phases do), timed by graph replay (median); the per-launch time is the slope between
 chain lengths. With ``--pdl 1`` / ``2`` the launches are programmatic dependent launches (each program
-waits for the launch before at its first statement; 2 also lets the next launch begin at once:
-``TritonReader.pdl``). torch's SDPA at B=1 T=8192 (GQA 32/8, d=128, fp16) is timed in the same run for scale.
+waits for the launch before at its first statement; 2 also lets the next launch begin at once; KERNEL_NOTES
+run 108 measured the step's kernels so launched). torch's SDPA at B=1 T=8192 (GQA 32/8, d=128, fp16) is
+timed in the same run for scale.
 """
 
 from __future__ import annotations

@@ -872,7 +872,9 @@ class TritonReader:
             if not tp and not fused:
                 _radix_select[(groups,)](plan.hist, lengths, plan.cmeta, rate, self.bk, bv_fixed, PASS=1, GATED=False,
                                          **gsel, num_warps=1)
-            rgrid = (b * hk, min(nblk, int(self.gated_splits))) if tp else grid
+            if tp and (not isinstance(self.gated_splits, int) or self.gated_splits < 1):
+                raise ValueError(f"gated_splits must be an int >= 1, got {self.gated_splits!r}")
+            rgrid = (b * hk, min(nblk, self.gated_splits)) if tp else grid
             for pas in range(1 if tp else 2, NPASS.value + 1):
                 _value_radix[rgrid](plan.vimp, lengths, c["rv"], plan.hist, plan.cmeta, tmax, rate, self.bk,
                                     bv_fixed, nblk, USE_RATE=use_rate, PASS=pas, HKV=hk, HG=self.hg, GATED=tp,

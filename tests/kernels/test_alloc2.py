@@ -66,6 +66,9 @@ def test_gated_passes_striding_over_blocks_equal_one_program_per_block() -> None
     for out, st in runs.values():
         assert torch.equal(st.v_depths, s_r.v_depths)
         assert torch.equal(out, o_r)
+    reader.gated_splits = 0  # no program would run the passes
+    with pytest.raises(ValueError, match="gated_splits"):
+        reader.decode(q, cache, 0, plan=reader.plan(2, 300, "cpu", block_tokens=64))
 
 
 def test_two_pass_bracket_holds_lambda_with_few_candidates() -> None:
