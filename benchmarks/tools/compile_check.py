@@ -151,7 +151,7 @@ def compile_refine(hq: int, hk: int, hg: int, hgp: int, g: int, g2: int, d: int,
     if want(R._refine_order):
         compile_one(R._refine_order, dict(rkey_ptr=P32, len_ptr=P32, rsel_ptr="*i64", rtie_ptr=P32, rcost_ptr=P32,
                                           rord_ptr="*i16", rcnt_ptr=P32, TMAX="i32"),
-                    dict(HKV=hk, HG=hg, HG_PAD=hgp, BLK=1024, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length())),
+                    dict(HKV=hk, HG=hg, HG_PAD=hgp, BLK=1024, NT_PAD=K.next_pow2(hg * 32)),
                     num_warps=nw, sass_dir=sd, tag=t)
     if want(R._key_refine_f):
         compile_one(R._key_refine_f, dict(kb_ptr="*u8", pt_ptr=P32, len_ptr=P32, rord_ptr="*i16", rcnt_ptr=P32,
@@ -180,15 +180,15 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
         hq, hk, d = map(int, geo.split("/"))
         g = hq // hk
         gp = max(16, g)
-        g2 = 1 << max(0, (g - 1).bit_length())
+        g2 = K.next_pow2(g)
         tag = f"[{hq}/{hk}/d{d}]"
         for name, hg, ks_k, min_k, ks_v, min_v, pk, fixed in (("flex", hk, 8, 0, 8, 0, 1, 0),
                                                                ("cons", 1, 7, 1, 3, 1, 2, 0),
                                                                ("full4", 1, 4, 4, 4, 4, 1, 4)):
             t = f"{tag}{name}"
-            hgp = 1 << max(0, (hg - 1).bit_length())
-            kspk = 1 << max(0, (ks_k - 1).bit_length())
-            kspv = 1 << max(0, (ks_v - 1).bit_length())
+            hgp = K.next_pow2(hg)
+            kspk = K.next_pow2(ks_k)
+            kspv = K.next_pow2(ks_v)
             # the Key channel list by depth segments / in channel order; lambda by bisection / radix passes
             for korder, radix in ((0, False), (1, False), (1, True)):
                 if want(K._prep):
@@ -199,7 +199,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                               mkT_ptr=PI),
                                 dict(HQ=hq, HKV=hk, HG=hg, G=g, D=d, KS=ks_k, KS_PAD=kspk, MIN_K=min_k, HG_PAD=hgp,
                                      RHW=0 if fixed else hgp * R.HIST_STRIDE_R, TWO_PASS=not fixed, KORDER=korder,
-                                     RADIX=radix, QROWS=max(16, 1 << max(0, (hg * g - 1).bit_length()))),
+                                     RADIX=radix, QROWS=max(16, K.next_pow2(hg * g))),
                                 num_warps=8, sass_dir=sd, tag=f"{t}-k{korder}" + ("-radix" if radix else ""))
             if name != "cons" and want(K._key_stage):
                 compile_one(K._key_stage, dict(kw_ptr=P32, pt_ptr=P32, len_ptr=P32, kdep_ptr=P32, whi_ptr="*fp16",
@@ -268,7 +268,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                    part_ptr=PI, SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64",
                                                    BK="i32", BV_FIXED="i32"),
                             dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
-                                 NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), T8=d >= 256, **vc),
+                                 NT_PAD=K.next_pow2(hg * 32), T8=d >= 256, **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
             if not fixed and want(K._radix_select):
                 compile_one(K._radix_select, dict(hist_ptr=P32, len_ptr=P32, cmeta_ptr=P32, RATE="fp64", BK="i32",
@@ -283,7 +283,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                     compile_one(K._value_order, dict(len_ptr=P32, vimp_ptr=PI, r_ptr=PI, hist_ptr=P32, tie_ptr=P32,
                                                      vdep_ptr="*i8", vord_ptr="*i16", vcnt_ptr=P32, TMAX="i32",
                                                      RATE="fp64", BK="i32", BV_FIXED="i32"),
-                                dict(USE_RATE=True, HKV=hk, HG=hg, NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()),
+                                dict(USE_RATE=True, HKV=hk, HG=hg, NT_PAD=K.next_pow2(hg * 32),
                                      SORT=sort, CHUNKED=chunked, **vc),
                                 num_warps=nw, sass_dir=sd,
                                 tag=t + ("-sort" if sort else "") + ("" if chunked or not sort else "-block"))
@@ -295,7 +295,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                        vcnt_ptr=P32, part_ptr=PI, SLOTS="i32", TMAX="i32", NSK="i32",
                                                        RATE="fp64", BK="i32", BV_FIXED="i32"),
                                 dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
-                                     NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, COMPACT=compact,
+                                     NT_PAD=K.next_pow2(hg * 32), FIXED_V=fixed, COMPACT=compact,
                                      TS=32 * nw // (d // 8), **vc),
                                 num_warps=nw, sass_dir=sd, tag=t + ("-compact" if compact else ""))
             if want(K._value_stage):
@@ -305,7 +305,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64", BK="i32",
                                                  BV_FIXED="i32"),
                             dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
-                                 NT_PAD=1 << max(0, (hg * 32 - 1).bit_length()), FIXED_V=fixed, T8=d >= 256,
+                                 NT_PAD=K.next_pow2(hg * 32), FIXED_V=fixed, T8=d >= 256,
                                  **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
         if g <= 4 and want(L._lin_prep):  # the bit-product Key stage (linear codebooks)
@@ -334,7 +334,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
                                                  linw_ptr=PI, part_ptr=PI, vscale="fp32", SLOTS="i32", TMAX="i32",
                                                  NSK="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
+                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, BITS=2), num_warps=max(1, d // 128), sass_dir=sd, tag=tag)
         # as the reader launches each form (TritonReader._value_maxnreg): planes one or two at a time capped at
         # 128 registers, the pipelined forms 1 uncapped and 2 at 200
@@ -344,7 +344,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
                                                   linw_ptr=PI, part_ptr=PI, wmax="fp32", SLOTS="i32", TMAX="i32",
                                                   NSK="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, G2=1 << max(0, (g - 1).bit_length()), NSK_PAD=128, D=d, W=8, P=64,
+                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64,
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
                         tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
                         maxnreg=VALUE_MAXNREG[vpf])
