@@ -5,7 +5,8 @@
 
 Each ``--set name=value[,name=value]`` is one variant: a reader built as the benchmark builds it,
 with those attributes overridden before planning (``pages_per_program`` and ``block_tokens`` go to
-``plan()`` instead). Median of graph replays (planekv.kernels.bench).
+``plan()`` instead, and ``v_run`` to the format: the same inputs encoded with that V layout). Median of graph
+replays (planekv.kernels.bench).
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ def main() -> int:
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        data = _gen(shape, dev, 0, None, codebook=args.codebook)
+        datas = {1: _gen(shape, dev, 0, None, codebook=args.codebook)}
+        data = datas[1]
         q4 = data.q[:, :, None, :]
         sdpa, _ = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
             q4, d.k, d.v, enable_gqa=True)], args.reps)
         print(f"{name} sdpa {sdpa:.4f} ms")
         for system in args.systems:
             for spec in args.variants or [""]:
+                var = parse_settings(spec)
+                vr = int(var.pop("v_run", 1))
+                if vr not in datas:
+                    datas[vr] = _gen(shape, dev, 0, None, codebook=args.codebook, v_run=vr)
+                data = datas[vr]
                 if system == "full4":
                     reader = TritonReader(data.codec, fixed_depth=4)
                 else:
@@ -53,7 +60,6 @@ def main() -> int:
                     if pol is None:
                         raise SystemExit(f"unknown system {system}")
                     reader = TritonReader(data.codec, pol)
-                var = parse_settings(spec)
                 plan_kw = {k: var.pop(k) for k in PLAN_ARGS if k in var}
                 try:
                     apply_settings(reader, var)

@@ -267,7 +267,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                    tab_ptr=P32, tabr_ptr=P32, vdep_ptr="*i8", vord_ptr="*i16",
                                                    part_ptr=PI, SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64",
                                                    BK="i32", BV_FIXED="i32"),
-                            dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
+                            dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64, VG=1,
                                  NT_PAD=K.next_pow2(hg * 32), T8=d >= 256, **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
             if not fixed and want(K._radix_select):
@@ -294,7 +294,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                        tie_ptr=P32, tabf_ptr=PI, vdep_ptr="*i8", vord_ptr="*i16",
                                                        vcnt_ptr=P32, part_ptr=PI, SLOTS="i32", TMAX="i32", NSK="i32",
                                                        RATE="fp64", BK="i32", BV_FIXED="i32"),
-                                dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
+                                dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64, VG=1,
                                      NT_PAD=K.next_pow2(hg * 32), FIXED_V=fixed, COMPACT=compact,
                                      TS=32 * nw // (d // 8), **vc),
                                 num_warps=nw, sass_dir=sd, tag=t + ("-compact" if compact else ""))
@@ -304,7 +304,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  tab_ptr=P32, tabr_ptr=P32, vdep_ptr="*i8", part_ptr=PI,
                                                  SLOTS="i32", TMAX="i32", NSK="i32", RATE="fp64", BK="i32",
                                                  BV_FIXED="i32"),
-                            dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64,
+                            dict(USE_RATE=True, HQ=hq, HKV=hk, HG=hg, G=g, G_PAD=gp, NSK_PAD=128, P=64, VG=1,
                                  NT_PAD=K.next_pow2(hg * 32), FIXED_V=fixed, T8=d >= 256,
                                  **vc),
                             num_warps=nw, sass_dir=sd, tag=t)
@@ -334,7 +334,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                  sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
                                                  linw_ptr=PI, part_ptr=PI, vscale="fp32", SLOTS="i32", TMAX="i32",
                                                  NSK="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64,
+                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64, VG=1,
                              BLK=1024, BITS=2), num_warps=max(1, d // 128), sass_dir=sd, tag=tag)
         # as the reader launches each form (TritonReader._value_maxnreg): planes one or two at a time capped at
         # 128 registers, the pipelined forms 1 uncapped and 2 at 200
@@ -344,7 +344,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
                                                   sstat_ptr=PI, vord_ptr="*i16", vcnt_ptr=P32, lina_ptr=PI,
                                                   linw_ptr=PI, part_ptr=PI, wmax="fp32", SLOTS="i32", TMAX="i32",
                                                   NSK="i32"),
-                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64,
+                        dict(HQ=hq, HKV=hk, G=g, G2=K.next_pow2(g), NSK_PAD=128, D=d, W=8, P=64, VG=1,
                              BLK=1024, TS=256, PAIR=pair, VPF=vpf), num_warps=max(1, d // 128), sass_dir=sd,
                         tag=f"{tag}{'-pair' if pair else ''}{f'-vpf{vpf}' if vpf else ''}",
                         maxnreg=VALUE_MAXNREG[vpf])
@@ -358,7 +358,7 @@ def compile_all(geometries: str, nw: int = 4, only: set[str] | None = None, sd: 
             compile_one(E._encode_append, dict(k_ptr=PI, v_ptr=PI, kw_ptr=P32, vw_ptr=P32, pt_ptr=P32, start_ptr=P32,
                                                muk_ptr=PI, sigk_ptr=PI, muv_ptr=PI, sigv_ptr=PI, heap_ptr=PI,
                                                n_new="i32", SLOTS="i32"),
-                        dict(HKV=hk, D=d, W=8, P=64, BT=32), num_warps=8, sass_dir=sd, tag=tag)
+                        dict(HKV=hk, D=d, W=8, P=64, BT=32, VG=1), num_warps=8, sass_dir=sd, tag=tag)
         if want(F._fp8_stage1):
             compile_one(F._fp8_stage1, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr=PI, vs_ptr=PI,
                                             len_ptr=P32, m_ptr=PI, s_ptr=PI, acc_ptr=PI, scale="fp32", TMAX="i32"),

@@ -26,12 +26,14 @@ def main() -> int:
     ap.add_argument("--system", default="readkv-flex-r2")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS)
+    ap.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="the format's V layout (FormatSpec.v_run)")
     ap.add_argument("--set", action="append", default=[], dest="attrs", metavar="NAME=VALUE",
                     help="a TritonReader attribute (int or float where it parses as one)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     dev = torch.device("cuda")
-    data = _gen(shape, dev, 0, None, codebook=args.codebook)
+    data = _gen(shape, dev, 0, None, codebook=args.codebook, v_run=args.v_run)
     pol = _policy(args.system, None)
     if pol is None:
         raise SystemExit(f"unknown ReadKV system {args.system}")

@@ -124,7 +124,7 @@ class _Data:
 
 
 def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Codec] | None,
-         codebook: str = "gaussian-lloyd-tree") -> _Data:
+         codebook: str = "gaussian-lloyd-tree", v_run: int = 1) -> _Data:
     g = torch.Generator(device=dev).manual_seed(seed)
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     gen0 = torch.Generator().manual_seed(1000 + d + hk)  # distribution parameters: fixed per geometry
@@ -140,7 +140,7 @@ def _gen(shape: Shape, dev: torch.device, seed: int, calib: tuple[FormatSpec, Co
     if calib is None:
         n_cal = min(t, 4096)
         spec0 = FormatSpec(model_id=f"bench-{shape.name}", n_layers=1, n_q_heads=hq, n_kv_heads=hk, head_dim=d,
-                           calibration_id="-", codebook=codebook)
+                           calibration_id="-", codebook=codebook, v_run=v_run)
         cal = calibrate(k[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
                         v[:1, :, :n_cal].float().cpu().transpose(0, 1).reshape(1, hk, n_cal, d),
                         spec0.seed_k, spec0.seed_v)
@@ -220,26 +220,37 @@ def _sector_bytes_k(kdep: torch.Tensor, lengths: torch.Tensor, page: int, granul
     return float((grp.sum((1, 2)).double() * pages).sum()) * max(granule, row)
 
 
-def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int, granule: int = 32) -> float:
-    """V rows touched: per plane, every 32-byte sector (256/d rows; or granule of ``granule`` bytes)
-    holding a token with depth > j."""
+def _sector_bytes_v(vdep: torch.Tensor, lengths: torch.Tensor, d: int, granule: int = 32, v_run: int = 1,
+                    width: int = 8, page: int = 64) -> float:
+    """V rows touched: every 32-byte sector (or granule of ``granule`` bytes) holding a row that a token's
+    depth reaches, in the format's layout: per plane, rows of consecutive tokens (``v_run`` = 1); with
+    ``v_run`` = g, per run of g planes, each token's g rows together (``width`` planes, ``page`` tokens
+    a page: a run of a page is P g rows)."""
     row = d // 8
     per_sector = max(1, granule // row)
     b, hk, t = vdep.shape
     mask = torch.arange(t, device=vdep.device)[None, None, :] < lengths.to(vdep.device)[:, None, None]
     dep = vdep.long() * mask
-    pad = -t % per_sector
-    if pad:
-        dep = torch.nn.functional.pad(dep, (0, pad))
-    dep = dep.reshape(b, hk, -1, per_sector).amax(-1)
-    return float(dep.sum()) * max(granule, row)
+    if v_run == 1:
+        pad = -t % per_sector
+        if pad:
+            dep = torch.nn.functional.pad(dep, (0, pad))
+        dep = dep.reshape(b, hk, -1, per_sector).amax(-1)
+        return float(dep.sum()) * max(granule, row)
+    dep = torch.nn.functional.pad(dep, (0, -t % page)).reshape(b, hk, -1, page, 1)
+    total = 0
+    for r in range(width // v_run):  # run r: rows (token, i) in order, row i of a token read where depth > r g + i
+        read = dep > (r * v_run + torch.arange(v_run, device=dep.device))  # [b, hk, pages, P, g]
+        total += int(read.reshape(b, hk, -1, per_sector).any(-1).sum())
+    return float(total) * max(granule, row)
 
 
 def _readkv_physical(plan: Plan, reader: TritonReader, lengths: torch.Tensor, spec: FormatSpec) -> float:
     b, hq, hk, d = plan.batch, spec.n_q_heads, spec.n_kv_heads, spec.head_dim
     kdep = plan.kdep
     vdep = plan.vdep if not reader.fixed_depth else torch.full_like(plan.vdep, reader.fixed_depth)
-    data = _sector_bytes_k(kdep, lengths, spec.page_size) + _sector_bytes_v(vdep, lengths, d)
+    data = _sector_bytes_k(kdep, lengths, spec.page_size) + _sector_bytes_v(vdep, lengths, d, v_run=spec.v_run,
+                                                                             width=spec.width, page=spec.page_size)
     n = float(lengths.double().sum())  # tokens over the batch
     logits = 4.0 * hq * n
     if reader.fixed_depth:
@@ -302,7 +313,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
               compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None, value_alloc: str | None = None,
               timeline: bool = False, alloc_warps: int | None = None,
-              codebook: str = "gaussian-lloyd-tree") -> list[Row]:
+              codebook: str = "gaussian-lloyd-tree", v_run: int = 1) -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -318,7 +329,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         b, t, _hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
         bytes_fp16 = 2.0 * b * hk * t * d * 2
         n_sets = max(1, min(4, math.ceil(3 * 60e6 / bytes_fp16)))  # rotate when one set fits in L2
-        sets = [_gen(shape, dev, seed, None, codebook=codebook)]
+        sets = [_gen(shape, dev, seed, None, codebook=codebook, v_run=v_run)]
         for i in range(1, n_sets):
             sets.append(_gen(shape, dev, seed + i, (sets[0].spec, sets[0].codec)))
         say(f"{name}: data ready in {time.perf_counter() - t0:.1f} s ({n_sets} input sets)")

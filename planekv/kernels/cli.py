@@ -22,6 +22,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      value_alloc=None if args.value_alloc == "auto" else args.value_alloc,
                      timeline=args.timeline, alloc_warps=args.alloc_warps, codebook=args.codebook,
+                     v_run=args.v_run,
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
@@ -69,4 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--json", help="write rows and metadata here")
     a.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
                    help="the format's codebook (a linear one runs the bit-product Key and Value stages where they pay)")
+    a.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
+                   help="the format's V layout: each token's planes in runs of this many rows (1: plane-major; "
+                        "docs/DECISIONS.md)")
     a.set_defaults(func=_bench_attention)

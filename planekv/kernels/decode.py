@@ -577,8 +577,20 @@ def _key_fma_out(acc, base_ptr, qrow, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos
 
 
 @triton.jit
-def _pack_planes(p0, STRIDE: tl.constexpr, NPL: tl.constexpr, depth, MASKED: tl.constexpr):
-    """Planes 0..NPL-1 at ``p0 + j * STRIDE`` as two uint32 words (plane j in byte j of lo for j < 4,
+def _vj(j: tl.constexpr, PLANE: tl.constexpr, VG: tl.constexpr, ROW: tl.constexpr):
+    """Offset of a token's plane j from its plane 0 in a V page (PLANE = a plane's P rows, ROW = one row, in
+    the same unit): ``j * PLANE`` (plane-major, VG = 1), or with the format's ``v_run`` = VG > 1 run j // VG
+    of VG * PLANE plus row j % VG of the token's run."""
+    if VG == 1:
+        return j * PLANE
+    return (j // VG) * (VG * PLANE) + (j % VG) * ROW
+
+
+@triton.jit
+def _pack_planes(p0, STRIDE: tl.constexpr, NPL: tl.constexpr, depth, MASKED: tl.constexpr, VG: tl.constexpr = 1,
+                 ROW: tl.constexpr = 0):
+    """Planes 0..NPL-1 at ``p0 + j * STRIDE`` (V pages in runs of VG planes: ``p0 + _vj(j, STRIDE, VG, ROW)``,
+    ROW the bytes of a row) as two uint32 words (plane j in byte j of lo for j < 4,
     byte j - 4 of hi otherwise). MASKED: plane j only where ``depth > j`` (the loads masked, not
     branched, so all are in flight at once); otherwise every load runs (the Key stage's segments and
     depth branches, where every channel has depth NPL; rows past the sequence read page 0 and are
@@ -587,9 +599,9 @@ def _pack_planes(p0, STRIDE: tl.constexpr, NPL: tl.constexpr, depth, MASKED: tl.
     hi = tl.zeros(p0.shape, dtype=tl.uint32)
     for j in tl.static_range(NPL):
         if MASKED:
-            bj = tl.load(p0 + j * STRIDE, mask=depth > j, other=0).to(tl.uint32)
+            bj = tl.load(p0 + _vj(j, STRIDE, VG, ROW), mask=depth > j, other=0).to(tl.uint32)
         else:
-            bj = tl.load(p0 + j * STRIDE).to(tl.uint32)
+            bj = tl.load(p0 + _vj(j, STRIDE, VG, ROW)).to(tl.uint32)
         if j < 4:
             lo = lo | (bj << (8 * j))
         else:
@@ -1081,16 +1093,16 @@ def _block_depths(vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, pid_bh, grp, hl,
 
 @triton.jit
 def _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D: tl.constexpr, W: tl.constexpr,
-                   P: tl.constexpr):
+                   P: tl.constexpr, VG: tl.constexpr = 1):
     """One 32-token Value tile, bit-serial: ``rows`` [32] is each token's row in plane 0 (page * W * P
-    + offset), ``st`` its depth; one byte load per element and plane."""
+    + offset x VG), ``st`` its depth; one byte load per element and plane."""
     cc = tl.arange(0, D)
     NB8: tl.constexpr = D // 8
     codes = tl.zeros([32, D], dtype=tl.int32)
     for j in tl.static_range(W):
         if j < s_max:
-            byte = tl.load(vb_ptr + (rows[:, None] + j * P) * NB8 + (cc[None, :] // 8), mask=(st > j)[:, None],
-                           other=0).to(tl.int32)  # [32, D]
+            byte = tl.load(vb_ptr + (rows[:, None] + _vj(j, P, VG, 1)) * NB8 + (cc[None, :] // 8),
+                           mask=(st > j)[:, None], other=0).to(tl.int32)  # [32, D]
             codes = codes | (((byte >> (cc[None, :] % 8)) & 1) << (W - 1 - j))
     z_hi, z_lo = _hi_lo(tl.load(tab_ptr + st[:, None] * (1 << W) + codes))  # [32, D]
     acc = tl.dot(p_hi, z_hi, acc)
@@ -1100,7 +1112,7 @@ def _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D: tl.cons
 
 @triton.jit
 def _v_tile_t8(vb_ptr, rows, st, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-               D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8P: tl.constexpr):
+               D: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8P: tl.constexpr, VG: tl.constexpr = 1):
     """One 32-token Value tile, bit-transposed: each plane byte (8 channels) loaded once into byte j
     of an int64; after the transpose byte k holds channel 8b + k, one accumulator per k."""
     NB8: tl.constexpr = D // 8
@@ -1108,7 +1120,7 @@ def _v_tile_t8(vb_ptr, rows, st, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, 
     x = tl.zeros([32, NB8P], dtype=tl.int64)
     for j in tl.static_range(W):
         if j < s_max:
-            bj = tl.load(vb_ptr + (rows[:, None] + j * P) * NB8 + bb[None, :],
+            bj = tl.load(vb_ptr + (rows[:, None] + _vj(j, P, VG, 1)) * NB8 + bb[None, :],
                          mask=(st > j)[:, None] & (bb[None, :] < NB8), other=0)  # [32, NB8P]
             x = x | (bj.to(tl.int64) << (8 * j))
     x = _transpose8(x)
@@ -1151,7 +1163,8 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
                  USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
                  G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                  BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, T8: tl.constexpr):
+                 PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, T8: tl.constexpr,
+                 VG: tl.constexpr = 1):
     """Program (b*Hkv + h, block of BLK tokens): token depths from lambda (ties in (step, item)
     order; FIXED_V > 0 gives every token that depth: the Full Reader), then per 32-token tile the
     planes each token needs, z = L_s[code] as fp16 hi/lo, and the p-weighted sum with three fp16
@@ -1193,15 +1206,15 @@ def _value_stage(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vimp_
             s = tl.where(valid, FIXED_V, 0)
         if tl.max(s, 0) > 0:
             page = tl.load(pt_ptr + pid_bh * SLOTS + ti // TPP).to(tl.int64)
-            rows = page * W * P + (ti % TPP) * 32 + tok
+            rows = page * W * P + ((ti % TPP) * 32 + tok) * VG
             s_max = tl.max(s, 0)
             p_hi, p_lo = _split16(_probs(logit_ptr, b, h, pos, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
             if T8:
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_t8(
                     vb_ptr, rows, s, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                    D, W, P, NB8P)
+                    D, W, P, NB8P, VG)
             else:
-                acc = _v_tile_serial(vb_ptr, rows, s, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P)
+                acc = _v_tile_serial(vb_ptr, rows, s, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P, VG)
     prow = ((b * HQ + h * G + tl.arange(0, G_PAD)[:, None]) * NBLK + blk) * D
     _store_part(part_ptr, prow, G, G_PAD, D, NB8P, T8, acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
 
@@ -1212,7 +1225,7 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
                    USE_RATE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                    BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
-                   PACKET: tl.constexpr, NT_PAD: tl.constexpr, T8: tl.constexpr):
+                   PACKET: tl.constexpr, NT_PAD: tl.constexpr, T8: tl.constexpr, VG: tl.constexpr = 1):
     """The Value stage with token compaction. Program (b*Hkv + h, block of BLK tokens): the depths of
     the whole block at once (as in :func:`_value_stage`), then the tokens with depth > 0 sorted by
     depth, deepest first (one int16 key per token: (W - depth) << 11 | position in the block,
@@ -1252,15 +1265,15 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
         st = tl.where(em, W - (kv >> 11), 0)
         tp = tl.where(em, blk * BLK + (kv & 2047), T)  # token position (T: padding, p = 0)
         page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
-        rows = page * W * P + tp % P
+        rows = page * W * P + (tp % P) * VG
         s_max = tl.max(st, 0)
         p_hi, p_lo = _split16(_probs(logit_ptr, b, h, tp, T, mg, z, TMAX, HQ, G, G_PAD))  # [G_PAD, 32]
         if T8:
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_t8(
                 vb_ptr, rows, st, s_max, tabr_ptr, p_hi, p_lo, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                D, W, P, NB8P)
+                D, W, P, NB8P, VG)
         else:
-            acc = _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P)
+            acc = _v_tile_serial(vb_ptr, rows, st, s_max, tab_ptr, p_hi, p_lo, acc, D, W, P, VG)
     prow = ((b * HQ + h * G + tl.arange(0, G_PAD)[:, None]) * NBLK + blk) * D
     _store_part(part_ptr, prow, G, G_PAD, D, NB8P, T8, acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
 
@@ -1387,15 +1400,15 @@ def _value_order(len_ptr, vimp_ptr, r_ptr, hist_ptr, tie_ptr, vdep_ptr, vord_ptr
 @triton.jit
 def _v_tile_f(vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
               acc3, acc4, acc5, acc6, acc7, G: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr,
-              NPL: tl.constexpr):
+              NPL: tl.constexpr, VG: tl.constexpr = 1):
     """One tile of the FMA Value stage: each thread's token ``tp`` (depth ``st``, live ``em``) and byte
     column: its planes below its depth (at most NPL loads; NPL <= 4: one word, a 4x8 transpose), the 8
     codes, 8 table lookups and 8 x G FMAs with the token's probabilities."""
     NCODE: tl.constexpr = 1 << W
     tp = tl.where(em, tp, 0)
     page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
-    p0 = vb_ptr + (page * W * P + tp % P) * NB8 + bcol  # plane 0
-    lo, hi = _pack_planes(p0, P * NB8, NPL, st, True)
+    p0 = vb_ptr + (page * W * P + (tp % P) * VG) * NB8 + bcol  # plane 0
+    lo, hi = _pack_planes(p0, P * NB8, NPL, st, True, VG, NB8)
     z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _codes(lo, hi, NPL))  # [F, 8]
     acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
     if G > 1:
@@ -1422,7 +1435,7 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
                    G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                    BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
                    PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, COMPACT: tl.constexpr,
-                   TS: tl.constexpr):
+                   TS: tl.constexpr, VG: tl.constexpr = 1):
     """The Value stage on the CUDA cores. Program (b*Hkv + h, block of BLK tokens): token depths as in
     :func:`_value_stage` (FIXED_V > 0: every token at that depth, the Full Reader), then tiles of TS
     tokens x D/8 plane-byte columns, one (token, byte column) per thread: the token's planes below
@@ -1492,7 +1505,7 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
             st = tl.where(em, FIXED_V, 0)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_f(
             vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
-            acc3, acc4, acc5, acc6, acc7, G, W, P, NB8, NPL)
+            acc3, acc4, acc5, acc6, acc7, G, W, P, NB8, NPL, VG)
     # channel 8 * column + k of each accumulator element, in the accumulators' layout
     kk = _bytes8(tl.full([F], 0x03020100, tl.uint32), tl.full([F], 0x07060504, tl.uint32))
     cidx = tl.reshape(bcol[:, None] * 8 + kk, (TS, NB8, 8))

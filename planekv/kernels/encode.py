@@ -44,8 +44,9 @@ def _codes(xt_ptr, xoff, tok_ok, mu_ptr, sig_ptr, heap_ptr, h, D: tl.constexpr, 
 @triton.jit
 def _encode_append(k_ptr, v_ptr, kw_ptr, vw_ptr, pt_ptr, start_ptr, muk_ptr, sigk_ptr, muv_ptr, sigv_ptr, heap_ptr,
                    n_new, SLOTS, HKV: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
-                   BT: tl.constexpr):
-    """k_ptr / v_ptr: rotated K~ / V~ [B, Hkv, n_new, D] (float32)."""
+                   BT: tl.constexpr, VG: tl.constexpr = 1):
+    """k_ptr / v_ptr: rotated K~ / V~ [B, Hkv, n_new, D] (float32); VG: the format's ``v_run`` (V rows of
+    plane j at run j // VG, row j % VG of the token's run)."""
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = pid_bh // HKV
@@ -90,7 +91,8 @@ def _encode_append(k_ptr, v_ptr, kw_ptr, vw_ptr, pt_ptr, start_ptr, muk_ptr, sig
     for j in tl.static_range(W):
         bit = (code >> (W - 1 - j)) & 1  # [BT, D]
         words = tl.sum(tl.reshape(bit, [BT, NWV, 32]) << sh[None, None, :], 2)  # [BT, NWV]
-        tl.store(vw_ptr + ((page[:, None] * W + j) * P + off[:, None]) * NWV + wi[None, :], words,
+        row = page * (W * P) + (j // VG) * (VG * P) + off * VG + j % VG
+        tl.store(vw_ptr + row[:, None] * NWV + wi[None, :], words,
                  mask=ok[:, None])
 
 
@@ -134,7 +136,8 @@ class Encoder:
         grid = (b * hk, triton.cdiv(n, BT))
         _encode_append[grid](kt, vt, k_pool.view(torch.int32), v_pool.view(torch.int32), page_table, starts,
                              c["mu_k"][layer], c["sig_k"][layer], c["mu_v"][layer], c["sig_v"][layer], c["heap"], n,
-                             page_table.shape[2], HKV=hk, D=d, W=spec.width, P=spec.page_size, BT=BT, num_warps=8)
+                             page_table.shape[2], HKV=hk, D=d, W=spec.width, P=spec.page_size, BT=BT, VG=spec.v_run,
+                             num_warps=8)
 
     def append(self, cache: PlaneKVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode and append k, v [B, Hkv, n, d] to every sequence of ``cache`` (same n for all)."""

@@ -640,25 +640,29 @@ def _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr, W
 
 
 @triton.jit
-def _v_row(kv, page, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr):
-    """(offset of list entry kv's plane-0 byte in column bc, given its page; its depth)."""
-    return (page.to(tl.int64) * (W * P) + (kv & 2047) % P) * NB8 + bc, W - (kv >> 11)
+def _v_row(kv, page, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr, VG: tl.constexpr = 1):
+    """(offset of list entry kv's plane-0 byte in column bc, given its page; its depth). VG: planes per
+    token run of the pool (1: plane-major ``[W][P][d/8]``; else ``[W/VG][P][VG][d/8]``, :func:`_vi_poff`)."""
+    return (page.to(tl.int64) * (W * P) + ((kv & 2047) % P) * VG) * NB8 + bc, W - (kv >> 11)
 
 
 @triton.jit
-def _v_entry(kv, page, lg, m_t, iz_t, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr):
+def _v_entry(kv, page, lg, m_t, iz_t, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr,
+             VG: tl.constexpr = 1):
     """(offset of the entry's plane-0 byte in column bc, its depth, its probability x the B scale)."""
-    row, dep = _v_row(kv, page, bc, W, P, NB8)
+    row, dep = _v_row(kv, page, bc, W, P, NB8, VG)
     return row, dep, tl.exp(lg - m_t) * iz_t
 
 
 @triton.jit
-def _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr):
+def _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr, NB8: tl.constexpr = 16,
+             VG: tl.constexpr = 1):
     """Plane j's bytes of the four entries (masked below their depths) as two words of 16-bit lanes."""
-    x0 = tl.load(vb_ptr + r0 + j * PLANE, mask=j < s0, other=0).to(tl.int32)
-    x1 = tl.load(vb_ptr + r1 + j * PLANE, mask=j < s1, other=0).to(tl.int32)
-    x2 = tl.load(vb_ptr + r2 + j * PLANE, mask=j < s2, other=0).to(tl.int32)
-    x3 = tl.load(vb_ptr + r3 + j * PLANE, mask=j < s3, other=0).to(tl.int32)
+    o = _vi_poff(j, PLANE, NB8, VG)
+    x0 = tl.load(vb_ptr + r0 + o, mask=j < s0, other=0).to(tl.int32)
+    x1 = tl.load(vb_ptr + r1 + o, mask=j < s1, other=0).to(tl.int32)
+    x2 = tl.load(vb_ptr + r2 + o, mask=j < s2, other=0).to(tl.int32)
+    x3 = tl.load(vb_ptr + r3 + o, mask=j < s3, other=0).to(tl.int32)
     return x0 | (x1 << 16), x2 | (x3 << 16)
 
 
@@ -682,11 +686,12 @@ def _v_fetches(k0, k1, k2, k3, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: t
 
 
 @triton.jit
-def _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr, TWO: tl.constexpr):
+def _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr, TWO: tl.constexpr,
+              NB8: tl.constexpr = 16, VG: tl.constexpr = 1):
     """:func:`_v_bytes` of both byte columns (the second one 8 bytes on; a copy of the first when d = 64)."""
-    z01, z23 = _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE)
+    z01, z23 = _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE, NB8, VG)
     if TWO:
-        y01, y23 = _v_bytes(vb_ptr, r0 + 8, r1 + 8, r2 + 8, r3 + 8, s0, s1, s2, s3, j, PLANE)
+        y01, y23 = _v_bytes(vb_ptr, r0 + 8, r1 + 8, r2 + 8, r3 + 8, s0, s1, s2, s3, j, PLANE, NB8, VG)
     else:
         y01, y23 = z01, z23
     return z01, z23, y01, y23
@@ -743,7 +748,7 @@ def _v_lanes(HKV: tl.constexpr, NWARP: tl.constexpr):
 def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vord_ptr, vcnt_ptr, lina_ptr,
                      linw_ptr, part_ptr, vscale, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
                      G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                     P: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr = 2):
+                     P: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr = 2, VG: tl.constexpr = 1):
     """The Value stage as a product of plane bits (linear codebooks; GPU only: inline PTX), the mirror
     of :func:`_key_stage_mma`. Program (b*Hkv + h, block of BLK tokens) over the block's depth > 0
     tokens as ``_value_order`` listed them deepest first (SORT), in steps of 16 list entries, one warp
@@ -798,14 +803,14 @@ def _value_stage_mma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, v
     for k in range(0, tl.cdiv(n_items, 16)):
         nn0, nn1, nn2, nn3, fnn = _v_kvs(obase, 16 * k + 32, e0, n_items, W)
         qg0, qg1, qg2, qg3, mg0, mg1, mg2, mg3 = _v_fetches(n0, n1, n2, n3, pgrow, lrow, blk, col_ok, BLK, P, W)
-        r0, s0, p0 = _v_entry(k0, pg0, lg0, m_t, iz_t, bc, W, P, NB8)
-        r1, s1, p1 = _v_entry(k1, pg1, lg1, m_t, iz_t, bc, W, P, NB8)
-        r2, s2, p2 = _v_entry(k2, pg2, lg2, m_t, iz_t, bc, W, P, NB8)
-        r3, s3, p3 = _v_entry(k3, pg3, lg3, m_t, iz_t, bc, W, P, NB8)
+        r0, s0, p0 = _v_entry(k0, pg0, lg0, m_t, iz_t, bc, W, P, NB8, VG)
+        r1, s1, p1 = _v_entry(k1, pg1, lg1, m_t, iz_t, bc, W, P, NB8, VG)
+        r2, s2, p2 = _v_entry(k2, pg2, lg2, m_t, iz_t, bc, W, P, NB8, VG)
+        r3, s3, p3 = _v_entry(k3, pg3, lg3, m_t, iz_t, bc, W, P, NB8, VG)
         asum += (p0 * tl.load(lina_ptr + s0) + p1 * tl.load(lina_ptr + s1) + p2 * tl.load(lina_ptr + s2)
                  + p3 * tl.load(lina_ptr + s3))
         for j in range(0, W - (f0 >> 11)):  # planes below the step's deepest token
-            z01, z23, y01, y23 = _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE, TWO)
+            z01, z23, y01, y23 = _v_bytes2(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE, TWO, NB8, VG)
             (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, d0, d1, d2, d3, d4, d5, d6, d7,
              d8, d9, d10, d11, d12, d13, d14, d15) = _v_plane(
                 z01, z23, y01, y23, p0, p1, p2, p3, s0, s1, s2, s3, j, linw_ptr, lo_f, c0, c1, c2, c3, c4, c5,
@@ -895,10 +900,10 @@ def _vi_kvs(obase, first, q, n_items, W: tl.constexpr):
 
 @triton.jit
 def _vi_entry(kv, pgrow, lrow, blk, col_ok, m_t, bc, BLK: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
-              NB8: tl.constexpr):
+              NB8: tl.constexpr, VG: tl.constexpr = 1):
     """(byte offset of the entry's plane-0 byte in column bc, its depth, exp(logit - the block's max))."""
     page, lg = _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK, P, W)
-    row, dep = _v_row(kv, page, bc, W, P, NB8)
+    row, dep = _v_row(kv, page, bc, W, P, NB8, VG)
     return row, dep, tl.exp(lg - m_t)
 
 
@@ -928,10 +933,21 @@ _VLDX2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov
 
 
 @triton.jit
-def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
+def _vi_poff(jj, PLANE: tl.constexpr, NB8: tl.constexpr, VG: tl.constexpr):
+    """Plane jj's byte offset from a token's plane-0 row (:func:`_v_row`): ``jj * PLANE`` in the plane-major
+    pool (VG = 1; PLANE = P d/8); in the grouped one (a page's tokens hold their planes in runs of VG rows,
+    ``[W/VG][P][VG][d/8]``) run jj // VG's start plus row jj % VG of it."""
+    if VG == 1:
+        return jj * PLANE
+    return (jj // VG) * (VG * PLANE) + (jj % VG) * NB8
+
+
+@triton.jit
+def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr, NB8: tl.constexpr = 16,
+             VG: tl.constexpr = 1):
     """Plane jj's row words of a lane's own entry: its 16 bytes (8 when d = 64, returned twice), none
     (zeros, the load predicated off) at or below its depth s."""
-    ptr = (vb_ptr + r + jj * PLANE).to(tl.int64, bitcast=True)
+    ptr = (vb_ptr + r + _vi_poff(jj, PLANE, NB8, VG)).to(tl.int64, bitcast=True)
     if TWO:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(_VLDX4, "=r,=r,=r,=r,l,r,r", [ptr, jj, s],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
@@ -943,12 +959,13 @@ def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
 
 
 @triton.jit
-def _vi_rows4(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr):
+def _vi_rows4(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr, NB8: tl.constexpr = 16,
+              VG: tl.constexpr = 1):
     """:func:`_vi_rows` of planes jj .. jj + 3 (16 words; predicated off at or below the depth s)."""
-    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO)
-    u0, u1, u2, u3 = _vi_rows(vb_ptr, r, s, jj + 1, PLANE, TWO)
-    v0, v1, v2, v3 = _vi_rows(vb_ptr, r, s, jj + 2, PLANE, TWO)
-    t0, t1, t2, t3 = _vi_rows(vb_ptr, r, s, jj + 3, PLANE, TWO)
+    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO, NB8, VG)
+    u0, u1, u2, u3 = _vi_rows(vb_ptr, r, s, jj + 1, PLANE, TWO, NB8, VG)
+    v0, v1, v2, v3 = _vi_rows(vb_ptr, r, s, jj + 2, PLANE, TWO, NB8, VG)
+    t0, t1, t2, t3 = _vi_rows(vb_ptr, r, s, jj + 3, PLANE, TWO, NB8, VG)
     return w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3
 
 
@@ -964,10 +981,11 @@ def _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO: tl.constexpr):
 
 
 @triton.jit
-def _vi_loadx(vb_ptr, r, s, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE: tl.constexpr, TWO: tl.constexpr):
+def _vi_loadx(vb_ptr, r, s, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE: tl.constexpr, TWO: tl.constexpr,
+              NB8: tl.constexpr = 16, VG: tl.constexpr = 1):
     """Plane jj's bytes of a lane's eight entries from one row load per lane (:func:`_vi_rows`),
     byte-transposed (:func:`_vi_xp`)."""
-    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO)
+    w0, w1, w2, w3 = _vi_rows(vb_ptr, r, s, jj, PLANE, TWO, NB8, VG)
     return _vi_xp(w0, w1, w2, w3, e0, e1, e2, e3, e4, e5, e6, e7, TWO)
 
 
@@ -1044,14 +1062,14 @@ def _vi_plane(vb_ptr, linw_ptr, ro, so, e0, e1, e2, e3, e4, e5, e6, e7, s0, s1, 
               p4, p5, p6, p7, sel, msk0, jj, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
               c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14,
               d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE: tl.constexpr, W: tl.constexpr, TWO: tl.constexpr,
-              PAIR: tl.constexpr):
+              PAIR: tl.constexpr, NB8: tl.constexpr = 16, VG: tl.constexpr = 1):
     """Plane j (``jj`` the same as an int32 tensor) of a step of :func:`_value_stage_imma`, and with
     PAIR plane j + 1 too (its rows loaded with plane j's; where it is below every entry's depth its
     loads are predicated off and its B words are zero). ro, so: the lane's own entry's row and depth,
     e0..e7 its transpose selectors (:func:`_vi_loadx`)."""
-    x, y, x2, y2 = _vi_loadx(vb_ptr, ro, so, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO)
+    x, y, x2, y2 = _vi_loadx(vb_ptr, ro, so, jj, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO, NB8, VG)
     if PAIR:
-        xb, yb, x2b, y2b = _vi_loadx(vb_ptr, ro, so, jj + 1, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO)
+        xb, yb, x2b, y2b = _vi_loadx(vb_ptr, ro, so, jj + 1, e0, e1, e2, e3, e4, e5, e6, e7, PLANE, TWO, NB8, VG)
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0,
      d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22,
      d23) = _vi_mma(
@@ -1076,7 +1094,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                       linw_ptr, part_ptr, wmax, SLOTS, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr,
                       G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                       P: tl.constexpr, BLK: tl.constexpr, TS: tl.constexpr, PAIR: tl.constexpr = False,
-                      VPF: tl.constexpr = 0):
+                      VPF: tl.constexpr = 0, VG: tl.constexpr = 1):
     """:func:`_value_stage_mma` on int8 tensor cores (GPU only: inline PTX; ``value_bits="int8"``). Per
     step of 32 list entries (the K of ``mma.m16n8k32``) lane (gid, q) holds entries 4q..4q+3 and
     16+4q..16+4q+3; per plane j below the step's deepest it loads their bytes of its byte column gid
@@ -1160,23 +1178,23 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
         n0, n1, n2, n3, n4, n5, n6, n7, no = _vi_ents(obase, 32, q, own, n_items, W)
         sp = _vi_pack(a0, a1, a2, a3, a4, a5, a6, a7, W)
         if VPF == 2:  # step 0's rows, step 1's page, step 2's own entry
-            ro, so = _v_row(ao, pg, bc, W, P, NB8)
+            ro, so = _v_row(ao, pg, bc, W, P, NB8, VG)
             (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
-                vb_ptr, ro, so, zero, PLANE, TWO)
+                vb_ptr, ro, so, zero, PLANE, TWO, NB8, VG)
             pg1, _ = _v_fetch(no, pgrow, lrow, blk, col_ok, BLK, P, W)
             ao1 = no
             ao2 = _v_kv(obase, 64 + own, n_items, W)
         for k in range(0, tl.cdiv(n_items, 32)):
             fn = _v_first(obase, 32 * k + 32, n_items, W)
             if VPF == 2:  # the next step's rows (its page arrived during the last step)
-                ro1, so1 = _v_row(ao1, pg1, bc, W, P, NB8)
+                ro1, so1 = _v_row(ao1, pg1, bc, W, P, NB8, VG)
                 (wn0, wn1, wn2, wn3, un0, un1, un2, un3, vn0, vn1, vn2, vn3, tn0, tn1, tn2,
-                 tn3) = _vi_rows4(vb_ptr, ro1, so1, zero, PLANE, TWO)
+                 tn3) = _vi_rows4(vb_ptr, ro1, so1, zero, PLANE, TWO, NB8, VG)
             else:
-                ro, so = _v_row(ao, pg, bc, W, P, NB8)
+                ro, so = _v_row(ao, pg, bc, W, P, NB8, VG)
                 # planes 0..3's rows (predicated off at or below the own entry's depth)
                 (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
-                    vb_ptr, ro, so, zero, PLANE, TWO)
+                    vb_ptr, ro, so, zero, PLANE, TWO, NB8, VG)
             s0, s1, s2, s3 = sp & 15, (sp >> 4) & 15, (sp >> 8) & 15, (sp >> 12) & 15
             s4, s5, s6, s7 = (sp >> 16) & 15, (sp >> 20) & 15, (sp >> 24) & 15, (sp >> 28) & 15
             p0, p1, p2, p3 = tl.exp(l0 - m_t) * kw, tl.exp(l1 - m_t) * kw, tl.exp(l2 - m_t) * kw, tl.exp(l3 - m_t) * kw
@@ -1204,7 +1222,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                 if j0 > 0:
                     if j0 < npl:
                         (w0, w1, w2, w3, u0, u1, u2, u3, v0, v1, v2, v3, t0, t1, t2, t3) = _vi_rows4(
-                            vb_ptr, ro, so, zero + j0, PLANE, TWO)
+                            vb_ptr, ro, so, zero + j0, PLANE, TWO, NB8, VG)
                 for i in tl.static_range(4):
                     if j0 + i < npl:
                         if i == 0:
@@ -1234,7 +1252,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
             fn = _v_first(obase, 32 * k + 32, n_items, W)
             k0, k1, k2, k3, k4, k5, k6, k7 = _vi_kvs(obase, 32 * k, q, n_items, W)
             ko = _v_kv(obase, 32 * k + own, n_items, W)
-            ro, so, _ = _vi_entry(ko, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8)
+            ro, so, _ = _vi_entry(ko, pgrow, lrow, blk, col_ok, m_t, bc, BLK, W, P, NB8, VG)
             # the eight entries' depths and probabilities (their rows are dead code: only the own entry's is read)
             _, s0, p0 = _vi_entry(k0, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
             _, s1, p1 = _vi_entry(k1, pgrow, lrow, blk, col_ok, m_t, 0, BLK, W, P, NB8)
@@ -1259,7 +1277,7 @@ def _value_stage_imma(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, 
                         p1, p2, p3, p4, p5, p6, p7, sel, msk0, zero + j, j, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10,
                         c11, c12, c13, c14, c15, c16, c17, c18, c19, c20, c21, c22, c23, d0, d1, d2, d3, d4, d5, d6, d7,
                         d8, d9, d10, d11, d12, d13, d14, d15, d16, d17, d18, d19, d20, d21, d22, d23, PLANE, W, TWO,
-                        PAIR)
+                        PAIR, NB8, VG)
             f0 = fn
     # sum_t (p / S) a_s of query head n: the lanes of B column 2n (q = 0..3 cover a step's 32 entries;
     # warp 0's copy: every warp computed the same)

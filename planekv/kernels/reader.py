@@ -16,6 +16,7 @@ import torch
 from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats, UniformLinearTree
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
+from ..kvstore.format import FormatSpec
 from ._dispatch import check_device
 from .alloc2 import _v_bracket, _v_cand, _v_exact, _v_exact_split, _value_sample
 from .decode import (
@@ -208,6 +209,16 @@ def _sm_count(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).multi_processor_count
     return 132
+
+
+def check_v_pool(v_pool: torch.Tensor, spec: FormatSpec) -> None:
+    """Refuse a V pool whose page shape is not the format's: [pages, W, P, d/8], or [pages, W/g, P, g, d/8]
+    with ``spec.v_run`` = g > 1."""
+    w, p, nb, g = spec.width, spec.page_size, spec.head_dim // 8, spec.v_run
+    want = (w, p, nb) if g == 1 else (w // g, p, g, nb)
+    if tuple(v_pool.shape[1:]) != want:
+        raise ValueError(f"v_pool must be [pages, {', '.join(map(str, want))}] for this format (v_run = {g}), "
+                         f"got {tuple(v_pool.shape)}")
 
 
 class TritonReader:
@@ -726,9 +737,9 @@ class TritonReader:
             page_table: torch.Tensor, lengths: torch.Tensor, layer: int, scale: float | None = None,
             marks: list[tuple[str, torch.cuda.Event]] | None = None) -> torch.Tensor:
         """One decode step: q [B, Hq, d]; k_pool [pages, W, d, P/8] and v_pool [pages, W, P, d/8] (uint8,
-        this layer's pools); page_table [B, Hkv, slots] (int32); lengths [B] (int32, <= plan.max_tokens).
-        Returns plan.out [B, Hq, d] (float32). Allocates nothing. ``marks`` (profiling only) receives a
-        recorded CUDA event after each stage."""
+        this layer's pools; [pages, W/g, P, g, d/8] with the format's ``v_run`` = g > 1); page_table [B, Hkv,
+        slots] (int32); lengths [B] (int32, <= plan.max_tokens). Returns plan.out [B, Hq, d] (float32).
+        Allocates nothing. ``marks`` (profiling only) receives a recorded CUDA event after each stage."""
 
         def mark(name: str) -> None:
             if marks is not None:
@@ -743,6 +754,8 @@ class TritonReader:
                              f"{q.dtype} {tuple(q.shape)}")
         b, hq, d = q.shape
         hk, g, w, p = spec.n_kv_heads, spec.group_size, spec.width, spec.page_size
+        check_v_pool(v_pool, spec)
+        vg = spec.v_run
         if b != plan.batch:
             raise ValueError(f"batch {b} != planned batch {plan.batch}")
         c = self._consts[plan.device]
@@ -905,7 +918,7 @@ class TritonReader:
             _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
                                     HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, TS=ts,
-                                    PAIR=pair and w % 2 == 0 and not vpf, VPF=vpf,
+                                    PAIR=pair and w % 2 == 0 and not vpf, VPF=vpf, VG=vg,
                                     **({"maxnreg": vcap} if vcap else {}),
                                     num_warps=max(1, d // 128))
         elif plan.value_mma:
@@ -914,7 +927,7 @@ class TritonReader:
             _value_stage_mma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                    plan.vcnt, c["lin_c" if signed else "lin_a"], c["lin_wm" if signed else "lin_w"],
                                    plan.part, self._vscale, slots, tmax, nsk, HQ=hq, HKV=hk, G=g, G2=g2,
-                                   NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, BITS=vb,
+                                   NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, BITS=vb, VG=vg,
                                    num_warps=max(1, d // 128))
         elif self.assembly == "fma":
             _value_stage_f[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
@@ -923,19 +936,20 @@ class TritonReader:
                                  rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g,
                                  G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
                                  FIXED_V=self.fixed_depth, COMPACT=self.compact_values, TS=32 * nw // (d // 8),
-                                 **vconst, num_warps=nw)
+                                 VG=vg, **vconst, num_warps=nw)
         elif self.compact_values:
             _value_stage_c[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
                                  plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.vord, plan.part, slots,
                                  tmax, nsk, rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg,
                                  G=g, G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
-                                 T8=self._value_transposing(d), **vconst, num_warps=nw)
+                                 T8=self._value_transposing(d), VG=vg, **vconst, num_warps=nw)
         else:
             _value_stage[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
                                plan.hist, plan.ties, c["tab2"], c["tabr"], plan.vdep, plan.part, slots, tmax, nsk,
                                rate, self.bk, bv_fixed, USE_RATE=use_rate, HQ=hq, HKV=hk, HG=self.hg, G=g,
                                G_PAD=gpad, NSK_PAD=nsk_pad, P=p, NT_PAD=next_pow2(self.hg * nblk),
-                               FIXED_V=self.fixed_depth, T8=self._value_transposing(d), **vconst, num_warps=nw)
+                               FIXED_V=self.fixed_depth, T8=self._value_transposing(d), VG=vg, **vconst,
+                               num_warps=nw)
         mark("value_stage")
         inv = dict(INV=True, mv_ptr=c["mv"], fin_ptr=plan.out) if fuse else {}
         _combine[(b * hk,)](plan.part, mu_v, sig_v, plan.out_t, nblk, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d, **inv,

@@ -20,7 +20,7 @@ from .codebook import CODEBOOKS, GaussianTree, NestedCodebook, UniformLinearTree
 from .codec import Codec
 from .errors import BudgetError, CacheFull, CalibrationError, FormatMismatch, PlaneKVError
 from .format import FormatSpec
-from .planes import PlaneKVCache, pack_k_page, pack_v_page
+from .planes import PlaneKVCache, pack_k_page, pack_v_page, v_planes
 from .policy import ReadPolicy
 from .stats import ReadStats
 from .transform import HadamardSign, block_sizes, hadamard_matrix
@@ -30,6 +30,6 @@ __all__ = [
     "CalibrationError", "Capacity", "capacity", "capacity_for", "CODEBOOKS", "Codec", "dense_bytes",
     "FormatMismatch", "FormatSpec", "GaussianTree", "greedy_allocate", "hadamard_matrix", "HadamardSign",
     "history_reads", "ladder", "lloyd_max_levels", "logical_read_bits", "make_codebook", "NestedCodebook",
-    "pack_k_page", "pack_v_page", "PlaneKVCache", "PlaneKVError", "rate", "ReadPolicy", "ReadStats",
+    "pack_k_page", "pack_v_page", "v_planes", "PlaneKVCache", "PlaneKVError", "rate", "ReadPolicy", "ReadStats",
     "reference", "threshold_allocate", "two_stage_workspace_bytes", "UniformLinearTree", "write_amortization",
 ]

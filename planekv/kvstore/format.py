@@ -17,6 +17,7 @@ from .codebook import CODEBOOKS
 from .errors import FormatMismatch
 
 LAYOUT_VERSION = 1
+V_RUNS = (1, 2, 4, 8)
 POSITION_MODES = ("rope-before-cache", "none")
 
 
@@ -39,6 +40,9 @@ class FormatSpec:
     width: int = 8  # W: bits (planes) stored per scalar
     page_size: int = 64  # P: tokens per page
     layout_version: int = LAYOUT_VERSION
+    # planes per token run in a V page: 1 = plane-major ``[W][P][d/8]``; g = each token's planes in runs of
+    # g rows, ``[W/g][P][g][d/8]`` (docs/DECISIONS.md: fewer row requests per deep token in the Value stage)
+    v_run: int = 1
 
     def __post_init__(self) -> None:
         # 10000 and 10000.0 are one format: the canonical JSON must not depend on the number type
@@ -60,6 +64,8 @@ class FormatSpec:
             raise ValueError(f"unknown codebook {self.codebook!r}; known: {CODEBOOKS}")
         if self.position not in POSITION_MODES:
             raise ValueError(f"unknown position mode {self.position!r}; known: {POSITION_MODES}")
+        if self.v_run not in V_RUNS or self.width % self.v_run:
+            raise ValueError(f"v_run must be one of {V_RUNS} and divide the width W = {self.width}, got {self.v_run}")
         if self.layout_version != LAYOUT_VERSION:
             raise ValueError(f"layout version {self.layout_version} unknown (this build: {LAYOUT_VERSION})")
 
@@ -69,7 +75,11 @@ class FormatSpec:
         return self.n_q_heads // self.n_kv_heads
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields; ``v_run`` only where it is not 1 (it came after the first formats, whose ids stay)."""
+        d = dataclasses.asdict(self)
+        if d["v_run"] == 1:
+            del d["v_run"]
+        return d
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

@@ -7,7 +7,10 @@ K and V (the tiering split is a slice, not a gather):
 - K, channel-major: ``[W planes][d channels][P/8 bytes]``; bit ``i % 8`` of byte ``i // 8`` is
   token i of the page. Reading channel c at depth t touches t rows of P/8 bytes per page.
 - V, token-major:   ``[W planes][P tokens][d/8 bytes]``; bit ``c % 8`` of byte ``c // 8`` is
-  channel c. Reading token i at depth s touches s rows of d/8 bytes.
+  channel c. Reading token i at depth s touches s rows of d/8 bytes. With ``FormatSpec.v_run`` = g > 1
+  each token holds its planes in runs of g rows: ``[W/g runs][P tokens][g planes][d/8 bytes]``, so a
+  token's planes 0..g-1 are one contiguous g d/8-byte range (the hot prefix stays a slice when it is a
+  whole number of runs).
 
 Plane j of a W-bit code is bit ``W - 1 - j`` (plane 0 is the most significant, the first branch).
 Pages of a sequence are shared by all layers' pools (one page id per sequence, KV head and page
@@ -52,10 +55,14 @@ def pack_k_page(codes: torch.Tensor, width: int) -> torch.Tensor:
     return pack_bits(bits.permute(2, 1, 0))
 
 
-def pack_v_page(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """One V page: codes [P, d] -> [W, P, d/8]."""
+def pack_v_page(codes: torch.Tensor, width: int, v_run: int = 1) -> torch.Tensor:
+    """One V page: codes [P, d] -> [W, P, d/8] (``v_run`` = g > 1: [W/g, P, g, d/8])."""
     bits = plane_bits(codes, width)  # [P, d, W]
-    return pack_bits(bits.permute(2, 0, 1))
+    page = pack_bits(bits.permute(2, 0, 1))
+    if v_run == 1:
+        return page
+    w, p, nb = page.shape
+    return page.view(w // v_run, v_run, p, nb).transpose(1, 2).contiguous()
 
 
 def _planes_to_codes(bits: torch.Tensor, width: int) -> torch.Tensor:
@@ -66,10 +73,22 @@ def _planes_to_codes(bits: torch.Tensor, width: int) -> torch.Tensor:
     return (bits << shifts.view(shape)).sum(0, dtype=torch.uint8)
 
 
+def v_planes(v_pages: torch.Tensor, v_run: int) -> torch.Tensor:
+    """V pages as the plane-major view [..., W, P, d/8]: themselves when ``v_run`` is 1, else grouped
+    pages [..., W/g, P, g, d/8] (g = ``v_run``) rearranged (a copy)."""
+    if v_run == 1:
+        return v_pages
+    *lead, r, p, g, nb = v_pages.shape
+    if g != v_run:
+        raise ValueError(f"V pages {tuple(v_pages.shape)} are not in runs of {v_run} planes")
+    return v_pages.movedim(-2, -3).reshape(*lead, r * g, p, nb)
+
+
 class PlaneKVCache:
     """Paged bit-plane storage of K and V codes for a batch of sequences, all layers of a model.
 
-    ``k_pool[layer]`` is [pages, W, d, P/8] and ``v_pool[layer]`` [pages, W, P, d/8] (uint8);
+    ``k_pool[layer]`` is [pages, W, d, P/8] and ``v_pool[layer]`` [pages, W, P, d/8] (uint8; with
+    ``spec.v_run`` = g > 1, [pages, W/g, P, g, d/8]: :func:`v_planes` gives the plane-major view);
     ``page_table`` [batch, kv_heads, slots] holds page ids (-1 = none). Free pages are all zeros,
     which is what lets an append OR bits into a partly filled page in place.
     """
@@ -84,7 +103,8 @@ class PlaneKVCache:
         self.max_pages = max_pages
         w, d, p = spec.width, spec.head_dim, spec.page_size
         self._k_page = (w, d, p // 8)
-        self._v_page = (w, p, d // 8)
+        g = spec.v_run
+        self._v_page = (w, p, d // 8) if g == 1 else (w // g, p, g, d // 8)
         n = initial_pages if max_pages is None else min(initial_pages, max_pages)
         self.k_pool = torch.zeros((spec.n_layers, n, *self._k_page), dtype=torch.uint8, device=self.device)
         self.v_pool = torch.zeros((spec.n_layers, n, *self._v_page), dtype=torch.uint8, device=self.device)
@@ -190,9 +210,13 @@ class PlaneKVCache:
         rows = pack_bits(vbits.permute(0, 1, 3, 2))  # [Hkv, n, W, d/8]
         vpool = self.v_pool[layer]
         page_idx = pages[:, :, None].expand(hk, n, w)
-        plane_idx = j[None, None, :].expand(hk, n, w)
         tok_idx = off_d[None, :, None].expand(hk, n, w)
-        vpool[page_idx, plane_idx, tok_idx] = rows
+        g = spec.v_run
+        if g == 1:
+            vpool[page_idx, j[None, None, :].expand(hk, n, w), tok_idx] = rows
+        else:  # run j // g, row j % g of the token's run
+            run_idx = (j // g)[None, None, :].expand(hk, n, w)
+            vpool[page_idx, run_idx, tok_idx, (j % g)[None, None, :].expand(hk, n, w)] = rows
         self.lengths[layer, seq] += n
 
     # ---- read path ----
@@ -230,7 +254,7 @@ class PlaneKVCache:
         top = int(depth_t.max()) if depth_t.numel() else 0
         if top == 0 or t == 0:
             return torch.zeros((hk, t, d), dtype=torch.uint8, device=self.device)
-        raw = self.v_pool[layer][pages][:, :, :top]  # [Hkv, slots, top, P, d/8]
+        raw = v_planes(self.v_pool[layer][pages], spec.v_run)[:, :, :top]  # [Hkv, slots, top, P, d/8]
         bits = unpack_bits(raw)  # [Hkv, slots, top, P, d]
         bits = bits.permute(0, 1, 3, 2, 4).reshape(hk, -1, top, d)[:, :t]  # [Hkv, T, top, d]
         keep = torch.arange(top, device=self.device)[None, None, :] < depth_t[:, :, None]

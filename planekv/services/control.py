@@ -87,6 +87,7 @@ class FormatSpecBody(BaseModel):
     width: int = Field(default=8, ge=1, le=8)
     page_size: Literal[64, 128] = 64
     layout_version: int = Field(default=LAYOUT_VERSION, ge=1, le=LAYOUT_VERSION)
+    v_run: Literal[1, 2, 4, 8] = 1
 
     @model_validator(mode="after")
     def _spec(self) -> FormatSpecBody:

@@ -36,10 +36,10 @@ def assert_same_depths(kernel: torch.Tensor, ref: torch.Tensor, step: int = 1) -
 
 
 def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64,
-           codebook: str = "gaussian-lloyd-tree"):
+           codebook: str = "gaussian-lloyd-tree", v_run: int = 1):
     syn = make_synthetic(n_tokens=max(lengths), n_rows=len(lengths), n_layers=1, n_q_heads=hq, n_kv_heads=hk,
                          head_dim=d, seed=seed)
-    spec = dataclasses.replace(syn.spec, codebook=codebook)
+    spec = dataclasses.replace(syn.spec, codebook=codebook, v_run=v_run)
     codec = Codec(spec, syn.calibration)
     cache = PlaneKVCache(spec, len(lengths))
     kc, vc = codec.encode_k(syn.k[0], 0), codec.encode_v(syn.v[0], 0)
@@ -140,10 +140,11 @@ def test_query_and_output_transforms_in_the_kernels_equal_the_torch_gemms() -> N
     assert [reader._fuse_transforms(d) for d in (64, 128, 256)] == [True, True, False]
 
 
-@pytest.mark.parametrize("codebook", ["gaussian-lloyd-tree", "uniform-linear-c3"])
-def test_encode_kernel_writes_the_reference_layout(codebook: str) -> None:
+@pytest.mark.parametrize("codebook,v_run", [("gaussian-lloyd-tree", 1), ("uniform-linear-c3", 1),
+                                           ("uniform-linear-c3", 4)])
+def test_encode_kernel_writes_the_reference_layout(codebook: str, v_run: int) -> None:
     syn = make_synthetic(n_tokens=100, n_rows=1, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=64, seed=11)
-    spec = dataclasses.replace(syn.spec, codebook=codebook)
+    spec = dataclasses.replace(syn.spec, codebook=codebook, v_run=v_run)
     codec = Codec(spec, syn.calibration)
     k = syn.k[0][None].expand(2, -1, -1, -1).contiguous()
     v = syn.v[0][None].expand(2, -1, -1, -1).contiguous()
@@ -156,6 +157,37 @@ def test_encode_kernel_writes_the_reference_layout(codebook: str) -> None:
         # codes may differ only where z sits within float rounding of a threshold
         for x, y in ((ref.read_k(0, b, 8), tri.read_k(0, b, 8)), (ref.read_v(0, b, 8), tri.read_v(0, b, 8))):
             assert (x != y).float().mean().item() < 1e-4
+
+
+@pytest.mark.parametrize("v_run,d,kind,compact", [(4, 64, "serial", False), (2, 64, "fma", True),
+                                                  (8, 256, "transpose", True), (4, 64, "transpose", None)])
+def test_value_stages_read_the_v_run_layouts(v_run: int, d: int, kind: str, compact: bool | None) -> None:
+    """The same keys and values stored with each token's V planes in runs of ``v_run`` rows: every Value
+    stage (bit-serial, FMA, transposing; every token or the depth > 0 ones) reads the same bits, so the
+    depths and outputs equal those of the plane-major format and the reference reader's; a pool of the
+    other layout is refused."""
+    lengths = [150, 97]
+    hk = 1 if d > 128 else 2
+    codec, cache, q = _setup(seed=40 + v_run, lengths=lengths, d=d, hk=hk, v_run=v_run)
+    codec1, cache1, _ = _setup(seed=40 + v_run, lengths=lengths, d=d, hk=hk)
+    assert cache.v_pool.shape[2:4] == (8 // v_run, 64) and torch.equal(cache.read_v(0, 1, 8), cache1.read_v(0, 1, 8))
+    policy = ReadPolicy.flexible(4.0)
+    ref, rst = readkv_decode(q, cache, 0, codec, policy)
+    outs = []
+    for cd, ch in ((codec, cache), (codec1, cache1)):
+        reader = TritonReader(cd, policy, assembly=kind, compact_values=compact)
+        plan = reader.plan(2, 150, "cpu")
+        plan.out.fill_(float("nan"))
+        out, st = reader.decode(q, ch, 0, plan=plan)
+        outs.append((out.clone(), st))
+    (og, sg), (o1, s1) = outs
+    assert int(sg.v_depths.max()) >= 4
+    assert torch.equal(sg.v_depths, s1.v_depths) and torch.equal(sg.k_depths, s1.k_depths)
+    torch.testing.assert_close(og, o1, rtol=0, atol=0)
+    assert ((og - ref).norm() / ref.norm()).item() < 1e-5
+    pt = cache.page_table.to(torch.int32)
+    with pytest.raises(ValueError, match="v_run"):
+        reader.run(plan, q, cache1.k_pool[0], cache.v_pool[0], pt, torch.tensor(lengths, dtype=torch.int32), 0)
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,6 +103,28 @@ def test_layout_bytes_count_the_granules_each_layout_touches() -> None:
     assert mod.key_plane_major(kdep, torch.tensor([2.0]), 64, 32) == 2 * (3 + 1) * 32  # 4 channels a granule
 
 
+def test_physical_value_bytes_follow_the_v_run_layout() -> None:
+    """The benchmark's physical Value bytes (32-byte sectors) in the format's layout: with v_run = g a
+    token's rows of a run lie together (16-byte rows at d = 128: a token reaching 1-2 planes of a run
+    touches one sector, 3-4 two); plane-major, neighbours share a sector in the planes both reach; the
+    same depths, two layouts, two counts, against a hand count."""
+    import torch
+
+    from planekv.kernels.bench import _sector_bytes_v
+
+    dep = torch.zeros(1, 1, 64, dtype=torch.int64)
+    dep[0, 0, :8] = torch.tensor([1, 0, 0, 2, 4, 4, 0, 3])  # 14 rows = 224 logical bytes
+    lengths = torch.tensor([64])
+    assert _sector_bytes_v(dep, lengths, 128) == 10 * 32  # plane-major: sector pairs reach 1, 2, 4, 3
+    # runs of 4: 1 + 1 + 2 + 2 + 2 sectors; runs of 2: planes 0-1 (5 tokens), 2-3 (3 tokens)
+    assert _sector_bytes_v(dep, lengths, 128, v_run=4, width=8, page=64) == 8 * 32
+    assert _sector_bytes_v(dep, lengths, 128, v_run=2, width=8, page=64) == 8 * 32
+    assert _sector_bytes_v(dep, lengths, 128, v_run=8, width=8, page=64) == 8 * 32
+    # d = 64 (8-byte rows), runs of 2: one 16-byte run per token and run, two tokens a sector
+    assert _sector_bytes_v(dep, lengths, 64, v_run=2, width=8, page=64) == (4 + 2) * 32
+    assert _sector_bytes_v(dep, torch.tensor([4]), 64, v_run=2, width=8, page=64) == (2 + 0) * 32
+
+
 def test_reader_settings_of_the_tools() -> None:
     """ab_knobs.py / profile_step.py's ``--set name=value[,...]``: numbers parsed, unknown names refused."""
     from planekv.kernels import TritonReader
@@ -198,3 +220,19 @@ def test_ncu_floors_sums_the_last_step_per_kernel(tmp_path: Path, capsys: pytest
     f.write_text(_ncu_csv([step]))
     with pytest.raises(SystemExit, match="profile a warm-up step"):
         mod.main([str(f)])
+
+
+def test_the_attention_benchmark_runs_a_v_run_format() -> None:
+    """``planekv bench attention --v-run 4`` end to end at a toy size (the interpreter: no meaningful times):
+    the format's cache is encoded in runs of 4 planes, the reader's check against the reference reader finds
+    the same depths and output, and the rows carry the requested bits and the layout's physical bytes."""
+    from planekv.kernels.bench import Shape, run_bench
+
+    rows = run_bench([Shape("toy", 2, 200, 4, 2, 64)], ["sdpa", "readkv-flex-r2"], reps=1, check=True,
+                     codebook="uniform-linear-c3", v_run=4)
+    sdpa, flex = rows
+    assert sdpa.system == "sdpa" and flex.system == "readkv-flex-r2"
+    assert flex.check["k_depth_mismatch"] == 0 and flex.check["v_depth_mismatch"] == 0
+    assert flex.check["rel_err"] < 1e-5
+    assert flex.logical_bits_per_scalar == pytest.approx(2.0, abs=0.05)
+    assert 1.0 < flex.physical_over_logical < 10.0

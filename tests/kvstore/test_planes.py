@@ -327,3 +327,34 @@ def test_hot_prefix_is_a_contiguous_slice(gen):
     assert torch.equal(hot_k, pack_k_page(_prefix(kc[1], torch.tensor(h), 8), 8)[:h].reshape(-1))
     hot_v = cache.v_pool[0, page].reshape(-1)[: h * 64 * 2]
     assert torch.equal(hot_v, pack_v_page(_prefix(vc[1], torch.tensor(h), 8), 8)[:h].reshape(-1))
+
+
+@pytest.mark.parametrize("v_run", [2, 4, 8])
+def test_v_runs_keep_each_tokens_planes_together(gen, tmp_path, v_run):
+    """``v_run`` = g: a V page is [W/g, P, g, d/8], token i's planes rg..rg+g-1 one range of g d/8 bytes in
+    run r; appends across pages, prefix reads, the hot prefix of g planes (a slice) and persistence as
+    for the plane-major layout."""
+    spec = FormatSpec(model_id="planes", n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, calibration_id="c0",
+                      v_run=v_run)
+    cache = PlaneKVCache(spec, 1)
+    kc, vc = _codes(gen, spec, 130), _codes(gen, spec, 130)
+    cache.append(0, kc[:, :37], vc[:, :37], seq=0)
+    cache.append(0, kc[:, 37:], vc[:, 37:], seq=0)
+    assert tuple(cache.v_pool.shape[2:]) == (8 // v_run, 64, v_run, 2)
+    page = int(cache.page_table[0, 1, 1])  # head 1, tokens 64..127
+    plain = pack_v_page(vc[1, 64:128], 8)  # [W, P, d/8]
+    got = cache.v_pool[0, page]
+    assert torch.equal(got, pack_v_page(vc[1, 64:128], 8, v_run))
+    i = 5
+    assert torch.equal(got[1 if v_run < 8 else 0].reshape(64, -1)[i],
+                       plain[(v_run if v_run < 8 else 0):][:v_run, i].reshape(-1))
+    hot = got.reshape(-1)[: 64 * v_run * 2]  # run 0 = planes [0, g) of every token
+    assert torch.equal(hot, pack_v_page(_prefix(vc[1, 64:128], torch.tensor(v_run), 8), 8, v_run)[0].reshape(-1))
+    for _ in range(3):
+        sv = torch.randint(0, 9, (2, 130), generator=gen)
+        assert torch.equal(cache.read_v(0, 0, sv), _prefix(vc, sv[:, :, None], 8))
+    assert torch.equal(cache.read_k(0, 0, 8), kc)
+    loaded = PlaneKVCache.load(cache.save(tmp_path / "c.pt"), spec)
+    assert torch.equal(loaded.read_v(0, 0, 8), vc)
+    with pytest.raises(FormatMismatch):
+        PlaneKVCache.load(tmp_path / "c.pt", _spec(n_kv_heads=2))

@@ -126,6 +126,11 @@ def test_format_registration_is_idempotent_and_conflicts_are_409(ctl):
     assert r.status_code == 409 and other.format_id in r.json()["detail"]
     assert ctl.get(f"/v1/formats/{spec.format_id}").json()["spec"]["page_size"] == 64
     assert spec.format_id in [f["format_id"] for f in ctl.get("/v1/formats").json()["formats"]]
+    # the V run layout is part of the identity and survives the round trip
+    runs = make_spec(calib, v_run=4)
+    r = ctl.post("/v1/formats", json=runs.to_dict())
+    assert r.status_code == 201 and r.json()["format_id"] == runs.format_id != spec.format_id
+    assert FormatSpec.from_dict(ctl.get(f"/v1/formats/{runs.format_id}").json()["spec"]).v_run == 4
 
 
 def test_a_format_that_contradicts_its_calibration_is_409(ctl):
@@ -144,6 +149,8 @@ def test_an_invalid_spec_is_422_with_the_rule(ctl):
     assert r.status_code == 422 and "multiple of n_kv_heads" in r.text
     r = ctl.post("/v1/formats", json={**spec, "surprise": 1})
     assert r.status_code == 422 and "surprise" in r.text
+    r = ctl.post("/v1/formats", json={**spec, "width": 6, "v_run": 4})
+    assert r.status_code == 422 and "v_run" in r.text
 
 
 # ---- placement policies
