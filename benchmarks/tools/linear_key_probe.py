@@ -235,11 +235,11 @@ def _write(rows: list[dict], out: str | None) -> int:
     return 0
 
 
-def ragged_main(out: str | None, settings: str = "") -> int:
+def ragged_main(out: str | None, settings: str = "", v_run: int = 1) -> int:
     """Whole reader steps with the bit-product Key stage forced on (``key_mma=True``) over sequences
     of ragged lengths (mid-page ends, one token, shorter than one 512-token split), every sequence
     checked against the reference reader, for each shape and both readers' flexible rates; ``settings``
-    (``name=value,...``) set on each reader first."""
+    (``name=value,...``) set on each reader first; ``v_run``: the format's V layout (FormatSpec.v_run)."""
 
     from planekv.kernels import TritonReader
     from planekv.kernels.bench import SHAPES, _check, _gen, apply_settings, parse_settings
@@ -250,7 +250,7 @@ def ragged_main(out: str | None, settings: str = "") -> int:
              "smollm2-b32-t8k": [8192, 8191, 3000, 511, 65, 2, 4097, 7000], "d256-b32-t32k": [32768, 777, 31000]}
     for name, lens in cases.items():
         shape = SHAPES[name]
-        data = _gen(shape, torch.device("cuda"), 0, None, codebook="uniform-linear-c3")
+        data = _gen(shape, torch.device("cuda"), 0, None, codebook="uniform-linear-c3", v_run=v_run)
         data.lengths[: len(lens)] = torch.tensor(lens, dtype=torch.int32, device=data.lengths.device)
         for pol in (ReadPolicy.flexible(2.0, 0.875), ReadPolicy.flexible(4.0, 0.75),
                     ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)):
@@ -258,8 +258,8 @@ def ragged_main(out: str | None, settings: str = "") -> int:
             reader.key_mma = True
             apply_settings(reader, parse_settings(settings))
             plan = reader.plan(shape.batch, shape.tokens, data.q.device)
-            _emit(rows, {"shape": name, "settings": settings, "rate": pol.rate, "key_refine": pol.key_refine,
-                         "key_mma": plan.key_mma,
+            _emit(rows, {"shape": name, "settings": settings, "v_run": v_run, "rate": pol.rate,
+                         "key_refine": pol.key_refine, "key_mma": plan.key_mma,
                          **_check(reader, plan, data, data.codec, n_seq=len(lens))})
     return _write(rows, out)
 
@@ -299,9 +299,11 @@ def main() -> int:
     ap.add_argument("--reader", action="store_true", help="with --gpu: whole reader steps, key_mma on and off")
     ap.add_argument("--ragged", action="store_true", help="on the GPU: ragged-length steps checked, key_mma on")
     ap.add_argument("--set", default="", help="with --ragged: reader settings name=value[,name=value]")
+    ap.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="with --ragged: the format's V layout")
     args = ap.parse_args()
     if args.ragged:
-        return ragged_main(args.json, args.set)
+        return ragged_main(args.json, args.set, args.v_run)
     if args.gpu:
         return gpu_main(args.shapes, args.reps, args.json, args.reader)
 
