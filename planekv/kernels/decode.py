@@ -577,10 +577,10 @@ def _key_fma_out(acc, base_ptr, qrow, logit_ptr, mstat_ptr, sstat_ptr, sidx, pos
 
 
 @triton.jit
-def _vj(j: tl.constexpr, PLANE: tl.constexpr, VG: tl.constexpr, ROW: tl.constexpr):
-    """Offset of a token's plane j from its plane 0 in a V page (PLANE = a plane's P rows, ROW = one row, in
-    the same unit): ``j * PLANE`` (plane-major, VG = 1), or with the format's ``v_run`` = VG > 1 run j // VG
-    of VG * PLANE plus row j % VG of the token's run."""
+def _vj(j, PLANE: tl.constexpr, VG: tl.constexpr, ROW: tl.constexpr):
+    """Offset of a token's plane j (a constexpr or an int32 tensor) from its plane 0 in a V page (PLANE = a
+    plane's P rows, ROW = one row, in the same unit): ``j * PLANE`` (plane-major, VG = 1), or with the
+    format's ``v_run`` = VG > 1 run j // VG of VG * PLANE plus row j % VG of the token's run."""
     if VG == 1:
         return j * PLANE
     return (j // VG) * (VG * PLANE) + (j % VG) * ROW

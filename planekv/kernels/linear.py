@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..kvstore import UniformLinearTree
-from .decode import _load_scalar, _softmax_stats
+from .decode import _load_scalar, _softmax_stats, _vj
 
 BIT_SCALE = 128.0  # a set bit is fp16 0x2000 = 2^-7; V carries the 2^7
 _BIT_SCALE = tl.constexpr(BIT_SCALE)
@@ -642,7 +642,7 @@ def _v_fetch(kv, pgrow, lrow, blk, col_ok, BLK: tl.constexpr, P: tl.constexpr, W
 @triton.jit
 def _v_row(kv, page, bc, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr, VG: tl.constexpr = 1):
     """(offset of list entry kv's plane-0 byte in column bc, given its page; its depth). VG: planes per
-    token run of the pool (1: plane-major ``[W][P][d/8]``; else ``[W/VG][P][VG][d/8]``, :func:`_vi_poff`)."""
+    token run of the pool (1: plane-major ``[W][P][d/8]``; else ``[W/VG][P][VG][d/8]``, :func:`decode._vj`)."""
     return (page.to(tl.int64) * (W * P) + ((kv & 2047) % P) * VG) * NB8 + bc, W - (kv >> 11)
 
 
@@ -658,7 +658,7 @@ def _v_entry(kv, page, lg, m_t, iz_t, bc, W: tl.constexpr, P: tl.constexpr, NB8:
 def _v_bytes(vb_ptr, r0, r1, r2, r3, s0, s1, s2, s3, j, PLANE: tl.constexpr, NB8: tl.constexpr = 16,
              VG: tl.constexpr = 1):
     """Plane j's bytes of the four entries (masked below their depths) as two words of 16-bit lanes."""
-    o = _vi_poff(j, PLANE, NB8, VG)
+    o = _vj(j, PLANE, VG, NB8)
     x0 = tl.load(vb_ptr + r0 + o, mask=j < s0, other=0).to(tl.int32)
     x1 = tl.load(vb_ptr + r1 + o, mask=j < s1, other=0).to(tl.int32)
     x2 = tl.load(vb_ptr + r2 + o, mask=j < s2, other=0).to(tl.int32)
@@ -933,21 +933,11 @@ _VLDX2 = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $3, $4; mov.b32 $0, 0; mov
 
 
 @triton.jit
-def _vi_poff(jj, PLANE: tl.constexpr, NB8: tl.constexpr, VG: tl.constexpr):
-    """Plane jj's byte offset from a token's plane-0 row (:func:`_v_row`): ``jj * PLANE`` in the plane-major
-    pool (VG = 1; PLANE = P d/8); in the grouped one (a page's tokens hold their planes in runs of VG rows,
-    ``[W/VG][P][VG][d/8]``) run jj // VG's start plus row jj % VG of it."""
-    if VG == 1:
-        return jj * PLANE
-    return (jj // VG) * (VG * PLANE) + (jj % VG) * NB8
-
-
-@triton.jit
 def _vi_rows(vb_ptr, r, s, jj, PLANE: tl.constexpr, TWO: tl.constexpr, NB8: tl.constexpr = 16,
              VG: tl.constexpr = 1):
     """Plane jj's row words of a lane's own entry: its 16 bytes (8 when d = 64, returned twice), none
     (zeros, the load predicated off) at or below its depth s."""
-    ptr = (vb_ptr + r + _vi_poff(jj, PLANE, NB8, VG)).to(tl.int64, bitcast=True)
+    ptr = (vb_ptr + r + _vj(jj, PLANE, VG, NB8)).to(tl.int64, bitcast=True)
     if TWO:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(_VLDX4, "=r,=r,=r,=r,l,r,r", [ptr, jj, s],
                                                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,

@@ -17,6 +17,7 @@ from ..kvstore import Codec, PlaneKVCache, ReadPolicy, ReadStats, UniformLinearT
 from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ..kvstore.format import FormatSpec
+from ..kvstore.planes import v_page_shape
 from ._dispatch import check_device
 from .alloc2 import _v_bracket, _v_cand, _v_exact, _v_exact_split, _value_sample
 from .decode import (
@@ -214,10 +215,9 @@ def _sm_count(dev: torch.device) -> int:
 def check_v_pool(v_pool: torch.Tensor, spec: FormatSpec) -> None:
     """Refuse a V pool whose page shape is not the format's: [pages, W, P, d/8], or [pages, W/g, P, g, d/8]
     with ``spec.v_run`` = g > 1."""
-    w, p, nb, g = spec.width, spec.page_size, spec.head_dim // 8, spec.v_run
-    want = (w, p, nb) if g == 1 else (w // g, p, g, nb)
+    want = v_page_shape(spec)
     if tuple(v_pool.shape[1:]) != want:
-        raise ValueError(f"v_pool must be [pages, {', '.join(map(str, want))}] for this format (v_run = {g}), "
+        raise ValueError(f"v_pool must be [pages, {', '.join(map(str, want))}] for this format (v_run = {spec.v_run}), "
                          f"got {tuple(v_pool.shape)}")
 
 

@@ -73,6 +73,12 @@ def _planes_to_codes(bits: torch.Tensor, width: int) -> torch.Tensor:
     return (bits << shifts.view(shape)).sum(0, dtype=torch.uint8)
 
 
+def v_page_shape(spec: FormatSpec) -> tuple[int, ...]:
+    """One V page's shape in the format's layout: (W, P, d/8), or (W/g, P, g, d/8) with ``spec.v_run`` = g > 1."""
+    w, p, nb, g = spec.width, spec.page_size, spec.head_dim // 8, spec.v_run
+    return (w, p, nb) if g == 1 else (w // g, p, g, nb)
+
+
 def v_planes(v_pages: torch.Tensor, v_run: int) -> torch.Tensor:
     """V pages as the plane-major view [..., W, P, d/8]: themselves when ``v_run`` is 1, else grouped
     pages [..., W/g, P, g, d/8] (g = ``v_run``) rearranged (a copy)."""
@@ -103,8 +109,7 @@ class PlaneKVCache:
         self.max_pages = max_pages
         w, d, p = spec.width, spec.head_dim, spec.page_size
         self._k_page = (w, d, p // 8)
-        g = spec.v_run
-        self._v_page = (w, p, d // 8) if g == 1 else (w // g, p, g, d // 8)
+        self._v_page = v_page_shape(spec)
         n = initial_pages if max_pages is None else min(initial_pages, max_pages)
         self.k_pool = torch.zeros((spec.n_layers, n, *self._k_page), dtype=torch.uint8, device=self.device)
         self.v_pool = torch.zeros((spec.n_layers, n, *self._v_page), dtype=torch.uint8, device=self.device)
