@@ -160,12 +160,12 @@ def _probe_rate(data, shape, rate: float, share: float, reps: int) -> dict:  # n
     ref_lg = plan.logits.clone()
     c = reader._consts[plan.device]
     slots = data.page_table.shape[2]
-    fma_warps = max(1, min(reader.num_warps, plan.key_ch * reader._ppk * p // 256))
+    fma_warps = max(1, min(reader.num_warps, plan.key_ch * plan.pages_per_program * p // 256))
 
     def fma() -> None:
         _key_stage_f[(b * hk, plan.n_splits)](kp, data.page_table, data.lengths, plan.kord, plan.kcnt, plan.wf,
                                               plan.base, c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots,
-                                              t, HQ=hq, HKV=hk, G=hq // hk, D=d, W=w, P=p, PPK=reader._ppk,
+                                              t, HQ=hq, HKV=hk, G=hq // hk, D=d, W=w, P=p, PPK=plan.pages_per_program,
                                               KLOOP=plan.key_loop, CH=plan.key_ch, num_warps=fma_warps)
 
     ops = mma_operands(data.codec.tree, plan.kdep, plan.wf, plan.base.view(b, hq), p)

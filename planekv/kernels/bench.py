@@ -313,7 +313,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
               compact_values: bool | None = None, pages_per_program: int | None = None,
               progress: Callable[[str], None] | None = None, value_alloc: str | None = None,
               timeline: bool = False, alloc_warps: int | None = None,
-              codebook: str = "gaussian-lloyd-tree", v_run: int = 1) -> list[Row]:
+              codebook: str = "gaussian-lloyd-tree", v_run: int = 1, batch_streams: int = 1) -> list[Row]:
     from ._dispatch import interpreting
 
     if not torch.cuda.is_available() and not interpreting():
@@ -339,7 +339,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         for system in systems:
             try:
                 row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16, num_warps, assembly,
-                           compact_values, pages_per_program, value_alloc, timeline, alloc_warps)
+                           compact_values, pages_per_program, value_alloc, timeline, alloc_warps, batch_streams)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
                 say(f"{name} / {system}: FAILED {type(exc).__name__}: {exc}")
@@ -360,7 +360,8 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
 def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, check: bool, k_share: float | None,
          scalars: float, bytes_fp16: float, num_warps: int = 4, assembly: str | None = None,
          compact_values: bool | None = None, pages_per_program: int | None = None,
-         value_alloc: str | None = None, timeline: bool = False, alloc_warps: int | None = None) -> Row:
+         value_alloc: str | None = None, timeline: bool = False, alloc_warps: int | None = None,
+         batch_streams: int = 1) -> Row:
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}
@@ -397,6 +398,7 @@ def _one(system: str, shape: Shape, sets: list[_Data], codec: Codec, reps: int, 
             raise ValueError(f"unknown system {system}")
         reader = TritonReader(codec, pol, num_warps=num_warps, assembly=assembly, compact_values=compact_values,
                               value_alloc=value_alloc, alloc_warps=alloc_warps)
+    reader.batch_streams = batch_streams
     plan = reader.plan(b, t, dev, pages_per_program=pages_per_program)
     s0 = sets[0]
     if check:

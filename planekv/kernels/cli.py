@@ -22,7 +22,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
                      compact_values={"auto": None, "on": True, "off": False}[args.compact],
                      value_alloc=None if args.value_alloc == "auto" else args.value_alloc,
                      timeline=args.timeline, alloc_warps=args.alloc_warps, codebook=args.codebook,
-                     v_run=args.v_run,
+                     v_run=args.v_run, batch_streams=args.batch_streams,
                      progress=lambda s: console.print(f"[dim]{s}[/dim]"))
     table = format_table(rows)
     console.print(table)
@@ -73,4 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
                    help="the format's V layout: each token's planes in runs of this many rows (1: plane-major; "
                         "docs/DECISIONS.md)")
+    a.add_argument("--batch-streams", type=int, default=1,
+                   help="the ReadKV step as this many batch parts, each on a CUDA stream of its own (TritonReader."
+                        "batch_streams; 1: one stream)")
     a.set_defaults(func=_bench_attention)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -192,6 +192,31 @@ class Plan:
     vsort: bool = False  # _value_order lists deepest first (set with value_mma)
     ckeep: torch.Tensor | None = None  # [groups, keep] i32: lambda's bin's candidates (the split exact pass)
     exact_chunk: int = 0  # candidates per program of the split exact pass (0: one program per group)
+    pages_per_program: int = 1  # pages per Key-stage program (FMA and transposing Key stages)
+    block_tokens: int = 1024  # tokens per Value-pass program
+    # TritonReader.batch_streams > 1: the step as batch parts (plans over views of these buffers, rows
+    # part_starts[i]...), each on a stream of its own between a fork and a join event (CUDA only; off the
+    # GPU the parts run one after the other)
+    parts: tuple[Plan, ...] = ()
+    part_starts: tuple[int, ...] = ()
+    streams: tuple[torch.cuda.Stream, ...] = ()
+    events: tuple[torch.cuda.Event, ...] = ()
+
+    def batch_part(self, b0: int, b1: int) -> Plan:
+        """The plan of sequences b0..b1-1 over views of this plan's buffers: every buffer is batch-major
+        (its first dimension B, B*Hkv or the B*Hkv/HG groups, a group never spanning two sequences), so
+        rows b0*f..b1*f of one with f rows per sequence; one-element placeholders are shared."""
+        if not 0 <= b0 < b1 <= self.batch:
+            raise ValueError(f"batch part [{b0}, {b1}) outside the plan's batch {self.batch}")
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and v.shape[0] >= self.batch and v.shape[0] % self.batch == 0:
+                per = v.shape[0] // self.batch
+                v = v[b0 * per: b1 * per]
+            kw[f.name] = v
+        kw.update(batch=b1 - b0, parts=(), part_starts=(), streams=(), events=())
+        return Plan(**kw)
 
     def workspace_bytes(self) -> int:
         """Bytes of every temporary buffer (not the output)."""
@@ -273,6 +298,12 @@ class TritonReader:
         # kernel sum 135 -> 123 us, d=128 B=32 747 -> 743 and B=1 101 -> 98; d=256, a [16, 256] x [256, 256]
         # product per program, 213 -> 240); True, False: always, never
         self.fuse_transforms: bool | str = "auto"
+        # the step as this many batch parts, each on a CUDA stream of its own, so that one part's latency-bound
+        # per-group kernels (one program per allocation group: ~110 us on 32 SMs at B=32 T=32768) overlap the
+        # other parts' bandwidth-bound stages; the same kernels and results per sequence. stream_priority: the
+        # earlier parts' streams rank higher (Plan.parts)
+        self.batch_streams = 1
+        self.stream_priority = True
         self.prep_warps = 8  # warps of _prep (one program per allocation group; 8 measured best, run 36)
         # the Key allocation's lambda in _prep: 1 by 8 radix passes (histograms), 0 by a 32-step bisection,
         # None by the group's key count (_prep_radix)
@@ -499,7 +530,6 @@ class TritonReader:
         vmma = self._value_mma(dev, small)
         n_splits = math.ceil(n_pages / (self._mma_pages if mma else pages_per_program))
         n_blocks = math.ceil(max_tokens / block_tokens)
-        self._ppk, self._blk = pages_per_program, block_tokens
         groups = batch * hk // self.hg
         f32 = dict(dtype=torch.float32, device=dev)
         f16 = dict(dtype=torch.float16, device=dev)
@@ -517,8 +547,9 @@ class TritonReader:
             """A stage's buffer, or a one-element placeholder when the stage is off."""
             return torch.zeros(*(shape if on else (1,) * len(shape)), **kw)
 
-        return Plan(
+        pl = Plan(
             batch=batch, max_tokens=max_tokens, n_splits=n_splits, n_blocks=n_blocks, device=dev,
+            pages_per_program=pages_per_program, block_tokens=block_tokens,
             qbuf=torch.empty(batch, hq, d, **f32), qt=torch.empty(batch, hq, d, **f32),
             w_hi=torch.empty(batch, hq, d, **f16), w_lo=torch.empty(batch, hq, d, **f16),
             wf=torch.empty(batch, hk, d, hq // hk, dtype=torch.float32, device=dev),
@@ -554,6 +585,30 @@ class TritonReader:
             lin_scale=opt(mma, batch, hq, **f32), key_int8=mma and self._bits("key_bits") < 0,
             mma_pages=self._mma_pages if mma else 0, value_mma=vmma, vsort=vmma,
         )
+        return self._with_parts(pl)
+
+    def _with_parts(self, pl: Plan) -> Plan:
+        """``pl`` split into ``batch_streams`` batch parts of near-equal size (none where that is 1 or the
+        batch is 1), each with a stream of its own on a CUDA device; with ``stream_priority`` the earlier
+        parts' streams rank higher, so that a part's small per-group kernels are dispatched ahead of the
+        other parts' pending programs."""
+        n = self.batch_streams
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"batch_streams must be an int >= 1, got {n!r}")
+        n = min(n, pl.batch)
+        if n == 1:
+            return pl
+        starts = tuple(round(i * pl.batch / n) for i in range(n + 1))
+        parts = tuple(pl.batch_part(starts[i], starts[i + 1]) for i in range(n))
+        streams: tuple[torch.cuda.Stream, ...] = ()
+        events: tuple[torch.cuda.Event, ...] = ()
+        if pl.device.type == "cuda":
+            _, top = torch.cuda.Stream.priority_range()  # (lowest, highest): lower numbers rank higher
+            prio = [max(top, -(n - 1 - i)) if self.stream_priority else 0 for i in range(n)]
+            streams = tuple(torch.cuda.Stream(device=pl.device, priority=pr) for pr in prio)
+            events = tuple(torch.cuda.Event() for _ in range(n + 1))  # the fork, then each part's join
+        pl.parts, pl.part_starts, pl.streams, pl.events = parts, starts[:-1], streams, events
+        return pl
 
     def _key_mma(self, dev: torch.device, small: bool = False) -> bool:
         """Whether plans on ``dev`` run the bit-product Key stage (``key_mma``): a linear codebook, the
@@ -719,10 +774,35 @@ class TritonReader:
         """int32 words of refinement histograms per group: one NPASS x NBINS set per KV head."""
         return next_pow2(self.hg) * HIST_STRIDE_R
 
-    def _transposing(self, page_size: int) -> bool:
+    def _run_parts(self, plan: Plan, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   page_table: torch.Tensor, lengths: torch.Tensor, layer: int, scale: float | None) -> None:
+        """A step of ``plan.parts``: each part's sequences on its own stream after a fork event recorded on
+        the current stream, which then waits for every part's join event (events and streams made by
+        :meth:`plan`: nothing allocated; a CUDA graph captures the fork and join as dependencies). Off the
+        GPU, the parts one after the other."""
+        cuda = plan.device.type == "cuda"
+        if cuda:
+            cur = torch.cuda.current_stream(plan.device)
+            plan.events[0].record(cur)
+        for i, (part, b0) in enumerate(zip(plan.parts, plan.part_starts, strict=True)):
+            rows = slice(b0, b0 + part.batch)
+            args = (part, q[rows], k_pool, v_pool, page_table[rows], lengths[rows], layer, scale)
+            if not cuda:
+                self.run(*args)
+                continue
+            st = plan.streams[i]
+            st.wait_event(plan.events[0])
+            with torch.cuda.stream(st):
+                self.run(*args)
+            plan.events[i + 1].record(st)
+        if cuda:
+            for ev in plan.events[1:]:
+                cur.wait_event(ev)
+
+    def _transposing(self, pages_per_program: int, page_size: int) -> bool:
         """The transposing Key stage needs a tile of M = PPK * P / 8 rows, a power of two >= 16
         (the MMA's minimum) and <= 64 (registers); otherwise the bit-serial one runs."""
-        m = self._ppk * page_size // 8
+        m = pages_per_program * page_size // 8
         return self.assembly == "transpose" and 16 <= m <= 64 and m & (m - 1) == 0
 
     def _value_transposing(self, head_dim: int) -> bool:
@@ -758,8 +838,14 @@ class TritonReader:
         vg = spec.v_run
         if b != plan.batch:
             raise ValueError(f"batch {b} != planned batch {plan.batch}")
+        if plan.parts:
+            mark("start")
+            self._run_parts(plan, q, k_pool, v_pool, page_table, lengths, layer, scale)
+            mark("parts")
+            return plan.out
         c = self._consts[plan.device]
         nsk, nblk = plan.n_splits, plan.n_blocks
+        ppk, blk = plan.pages_per_program, plan.block_tokens  # this plan's program sizes
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         slots = page_table.shape[2]
         tmax = plan.max_tokens
@@ -770,7 +856,7 @@ class TritonReader:
         use_rate = pol.rate is not None
         rate = float(pol.rate) if use_rate else 0.0
         bv_fixed = 0 if use_rate else int(pol.budget_v)  # type: ignore[arg-type]
-        vconst = dict(D=d, W=w, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v, MIN_V=pol.min_depth_v,
+        vconst = dict(D=d, W=w, BLK=blk, KS=self.ks_v, KS_PAD=self.kspad_v, MIN_V=pol.min_depth_v,
                       PACKET=pol.v_packet)
         mu_k, sig_k = c["mu_k"][layer], c["sig_k"][layer]
         mu_v, sig_v = c["mu_v"][layer], c["sig_v"][layer]
@@ -820,17 +906,17 @@ class TritonReader:
         elif self.assembly == "fma":
             _key_stage_f[(b * hk, nsk)](k_pool, page_table, lengths, plan.kord, plan.kcnt, plan.wf, plan.base,
                                         c["tabf"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
-                                        HKV=hk, G=g, D=d, W=w, P=p, PPK=self._ppk, KLOOP=plan.key_loop,
-                                        CH=plan.key_ch, num_warps=max(1, min(nw, plan.key_ch * self._ppk * p // 256)))
-        elif self._transposing(p):
+                                        HKV=hk, G=g, D=d, W=w, P=p, PPK=ppk, KLOOP=plan.key_loop,
+                                        CH=plan.key_ch, num_warps=max(1, min(nw, plan.key_ch * ppk * p // 256)))
+        elif self._transposing(ppk, p):
             _key_stage_t8[(b * hk, nsk)](k_pool, page_table, lengths, plan.kdep, plan.w_hi, plan.w_lo, plan.base,
                                          c["tabr"], plan.logits, plan.mstat, plan.sstat, scale, slots, tmax, HQ=hq,
-                                         HKV=hk, G=g, G_PAD=gpad, D=d, W=w, P=p, PPK=self._ppk, num_warps=nw)
+                                         HKV=hk, G=g, G_PAD=gpad, D=d, W=w, P=p, PPK=ppk, num_warps=nw)
         else:
             _key_stage[(b * hk, nsk)](k_pool.view(torch.int32), page_table, lengths, plan.kdep, plan.w_hi,
                                       plan.w_lo, plan.base, c["tab2"], c["spread"], plan.logits, plan.mstat,
                                       plan.sstat, scale, slots, tmax, HQ=hq, HKV=hk, G=g, G_PAD=gpad, D=d, W=w, P=p,
-                                      PPK=self._ppk, num_warps=nw)
+                                      PPK=ppk, num_warps=nw)
         mark("key_stage")
         grid = (b * hk, nblk)
         if self.refine:
@@ -841,18 +927,18 @@ class TritonReader:
                 raise ValueError(f"the plan was made for another exact_bins than {self.exact_bins!r}; plan again")
             hs = self._hist_sample()
             # 1 in `sample` tokens, at most one in 8 of a block (one run of 8)
-            sample = min(hs, self._blk // 8) if tp and hs > 1 else 1
+            sample = min(hs, blk // 8) if tp and hs > 1 else 1
             imp_args = dict(HQ=hq, G=g, G2=g2, NSK_PAD=nsk_pad, HEAD_WEIGHT=pol.value_head_weight)
             if sample > 1:  # spans of up to 8 blocks per program (1, 2, 4 measured alike, KERNEL_NOTES run 100)
                 span = min(8, next_pow2(nblk))
                 _value_sample[(b * hk, -(-nblk // span))](plan.logits, plan.mstat, plan.sstat, lengths,
                                                                  c["hw"][layer], plan.ihist, tmax, nsk, HKV=hk,
-                                                                 HG=self.hg, TOK=span * self._blk, SAMPLE=sample,
+                                                                 HG=self.hg, TOK=span * blk, SAMPLE=sample,
                                                                  **imp_args, num_warps=self.sample_warps)
             else:
                 _value_hist[grid](plan.logits, plan.mstat, plan.sstat, lengths, c["rv"], plan.vimp, plan.hist,
                                   c["hw"][layer], plan.ihist, tmax, nsk, HQ=hq, HKV=hk, HG=self.hg, G=g, G2=g2,
-                                  NSK_PAD=nsk_pad, BLK=self._blk, KS=self.ks_v, KS_PAD=self.kspad_v,
+                                  NSK_PAD=nsk_pad, BLK=blk, KS=self.ks_v, KS_PAD=self.kspad_v,
                                   HEAD_WEIGHT=pol.value_head_weight, TWO_PASS=tp, RATE=rate, BK=self.bk,
                                   BV_FIXED=bv_fixed, USE_RATE=use_rate, D=d, W=w, MIN_V=pol.min_depth_v,
                                   PACKET=pol.v_packet, FUSED=fused, HWIN=self.hist_window if tp else 0,
@@ -871,7 +957,7 @@ class TritonReader:
                 fl = dict(FROM_LOGITS=True, logit_ptr=plan.logits, mstat_ptr=plan.mstat, sstat_ptr=plan.sstat,
                           hw_ptr=c["hw"][layer], NSK=nsk, **imp_args) if sample > 1 else {}
                 _v_cand[grid](plan.vimp, lengths, c["rv"], plan.cmeta, plan.cand, tmax, rate, self.bk, bv_fixed, cap,
-                              BLK=self._blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
+                              BLK=blk, KS_PAD=self.kspad_v, **gsel, **fl, **cb, num_warps=aw)
                 ch = plan.exact_chunk if nb else 0
                 if ch:  # the scan split over programs
                     _v_exact_split[(groups, cap // ch)](plan.hist, lengths, plan.cmeta, plan.cand, plan.cbins,
@@ -909,7 +995,7 @@ class TritonReader:
                                    **vconst, num_warps=aw)
                 mark("value_order")
         if plan.value_mma and self._bits("value_bits") < 0:
-            ts = (plan.mma_pages if plan.key_mma else self._ppk) * p  # tokens per Key-stage split
+            ts = (plan.mma_pages if plan.key_mma else ppk) * p  # tokens per Key-stage split
             pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
             if self.vimma_prefetch not in (0, 1, 2):
                 raise ValueError(f"vimma_prefetch must be 0, 1 or 2, got {self.vimma_prefetch!r}")
@@ -917,7 +1003,7 @@ class TritonReader:
             vcap = self._value_maxnreg(vpf)
             _value_stage_imma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                     plan.vcnt, c["lin_a"], c["lin_w"], plan.part, self._wmax, slots, tmax, nsk, HQ=hq,
-                                    HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, TS=ts,
+                                    HKV=hk, G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=blk, TS=ts,
                                     PAIR=pair and w % 2 == 0 and not vpf, VPF=vpf, VG=vg,
                                     **({"maxnreg": vcap} if vcap else {}),
                                     num_warps=max(1, d // 128))
@@ -927,7 +1013,7 @@ class TritonReader:
             _value_stage_mma[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vord,
                                    plan.vcnt, c["lin_c" if signed else "lin_a"], c["lin_wm" if signed else "lin_w"],
                                    plan.part, self._vscale, slots, tmax, nsk, HQ=hq, HKV=hk, G=g, G2=g2,
-                                   NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=self._blk, BITS=vb, VG=vg,
+                                   NSK_PAD=nsk_pad, D=d, W=w, P=p, BLK=blk, BITS=vb, VG=vg,
                                    num_warps=max(1, d // 128))
         elif self.assembly == "fma":
             _value_stage_f[grid](v_pool, page_table, lengths, plan.logits, plan.mstat, plan.sstat, plan.vimp, c["rv"],
@@ -968,6 +1054,7 @@ class TritonReader:
         c = self._consts[plan.device]
         hq, hk, d, w, p = spec.n_q_heads, spec.n_kv_heads, spec.head_dim, spec.width, spec.page_size
         b, tmax, nblk = plan.batch, plan.max_tokens, plan.n_blocks
+        blk = plan.block_tokens
         grid = (b * hk, nblk)
         hgp = next_pow2(self.hg)
         nw = self.num_warps
@@ -976,24 +1063,24 @@ class TritonReader:
         bkr = self.bk - self.bk_stage
         _refine_score[grid](plan.logits, plan.mstat, plan.sstat, lengths, plan.qt, sig_k, plan.kdep, c["dist"], rkey,
                             plan.rcost, plan.rhist, scale, tmax, plan.n_splits, HQ=hq, HKV=hk, HG=self.hg, HG_PAD=hgp,
-                            G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, BLK=self._blk, num_warps=nw)
+                            G=g, G2=g2, NSK_PAD=nsk_pad, D=d, W=w, BLK=blk, num_warps=nw)
         mark("refine_keys")
         sel = dict(HKV=hk, HG=self.hg, HG_PAD=hgp, num_warps=1)
         _refine_select[(groups,)](plan.rhist, plan.rsel, plan.rcost, lengths, bkr, PASS=1, **sel)
         for pas in range(2, NPASS.value + 1):
             _refine_radix[grid](rkey, lengths, plan.rsel, plan.rhist, tmax, PASS=pas, HKV=hk, HG=self.hg, HG_PAD=hgp,
-                                BLK=self._blk, num_warps=nw)
+                                BLK=blk, num_warps=nw)
             _refine_select[(groups,)](plan.rhist, plan.rsel, plan.rcost, lengths, bkr, PASS=pas, **sel)
         mark("refine_radix")
-        _refine_ties[grid](rkey, lengths, plan.rsel, plan.rtie, tmax, HKV=hk, HG=self.hg, BLK=self._blk, num_warps=nw)
+        _refine_ties[grid](rkey, lengths, plan.rsel, plan.rtie, tmax, HKV=hk, HG=self.hg, BLK=blk, num_warps=nw)
         _refine_order[grid](rkey, lengths, plan.rsel, plan.rtie, plan.rcost, rord, plan.rcnt, tmax, HKV=hk,
-                            HG=self.hg, HG_PAD=hgp, BLK=self._blk, NT_PAD=next_pow2(self.hg * nblk), num_warps=nw)
+                            HG=self.hg, HG_PAD=hgp, BLK=blk, NT_PAD=next_pow2(self.hg * nblk), num_warps=nw)
         mark("refine_order")
         _key_refine_f[grid](k_pool, page_table, lengths, rord, plan.rcnt, plan.qt, sig_k, plan.base, c["tabw"],
-                            plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=self._blk,
+                            plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=blk,
                             TS=max(1, 1024 // d), num_warps=nw)
         mark("refine_decode")
-        ntok = plan.mma_pages * p if plan.key_mma else self._ppk * p  # tokens per Key-stage split
+        ntok = plan.mma_pages * p if plan.key_mma else plan.pages_per_program * p  # tokens per Key-stage split
         _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
                                              G2=g2, NTOK=ntok, num_warps=nw)
         mark("refine_stats")
@@ -1054,7 +1141,7 @@ class TritonReader:
         if not self.refine:
             raise ValueError("this reader's policy has no Key refinement")
         b, hk, tmax = plan.rord.shape
-        blk = self._blk
+        blk = plan.block_tokens
         nblk = plan.n_blocks
         lp = torch.nn.functional.pad(plan.rord.cpu().to(torch.int64), (0, nblk * blk - tmax)).view(b, hk, nblk, blk)
         take = torch.arange(blk)[None, None, None, :] < plan.rcnt.cpu().to(torch.int64)[..., None]

@@ -259,7 +259,7 @@ def _emulate_value_mma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: tor
     signed = bits == "signed"
     lina, linw = (c["lin_c"], c["lin_wm"]) if signed else (c["lin_a"], c["lin_w"])
     vs = reader._vscale
-    blk_t, nblk, nb8 = reader._blk, plan.n_blocks, d // 8
+    blk_t, nblk, nb8 = plan.block_tokens, plan.n_blocks, d // 8
     cw = 128 if d >= 128 else 64
     two = d >= 128
     part = torch.zeros_like(plan.part)
@@ -553,8 +553,8 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
     c = reader._consts[plan.device]
     lina, linw, wmax = c["lin_a"], c["lin_w"], reader._wmax
     sel = torch.tensor([xpose_selectors(lane // 4) for lane in range(32)])
-    blk_t, nblk, nsk = reader._blk, plan.n_blocks, plan.n_splits
-    ts_tok = (plan.mma_pages if plan.key_mma else reader._ppk) * p
+    blk_t, nblk, nsk = plan.block_tokens, plan.n_blocks, plan.n_splits
+    ts_tok = (plan.mma_pages if plan.key_mma else plan.pages_per_program) * p
     cw = 128 if d >= 128 else 64
     two = d >= 128
     kw = 2.0 ** 22 / wmax

@@ -243,7 +243,7 @@ def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, 
     for kind in ("serial", "transpose", "fma"):
         reader = TritonReader(codec, policy, assembly=kind)
         plan = reader.plan(3, 150, "cpu", pages_per_program=pages_per_program)
-        assert reader._transposing(cache.spec.page_size) == (kind == "transpose")
+        assert reader._transposing(plan.pages_per_program, cache.spec.page_size) == (kind == "transpose")
         assert reader._value_transposing(d) == (kind != "serial" and d >= 256)
         plan.logits.fill_(float("nan"))
         plan.out.fill_(float("nan"))
@@ -314,8 +314,8 @@ def test_fma_stages_refuse_groups_over_8_and_the_default_falls_back() -> None:
 def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:
     codec, cache, q = _setup(seed=5, lengths=[70])
     reader = TritonReader(codec, ReadPolicy.flexible(4.0), assembly="transpose")
-    reader.plan(1, 70, "cpu", pages_per_program=1)
-    assert not reader._transposing(cache.spec.page_size)  # M = P / 8 < 16 rows: bit-serial kernel
+    plan = reader.plan(1, 70, "cpu", pages_per_program=1)
+    assert not reader._transposing(plan.pages_per_program, cache.spec.page_size)  # M = P / 8 < 16: bit-serial
     with pytest.raises(ValueError, match="assembly"):
         TritonReader(codec, assembly="lut")
 
@@ -456,3 +456,151 @@ def test_program_sizes_follow_the_step_size(monkeypatch: pytest.MonkeyPatch, sms
     for b in range(2):
         assert_same_depths(st.v_depths[b, :, : cache.length(0, b)], rst.extra["v_depths"][b], policy.v_packet)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("policy,alloc", [
+    (ReadPolicy.flexible(2.0, k_share=0.3), None),
+    (ReadPolicy.constrained(2.0), "two-pass"),
+    (ReadPolicy.flexible(2.0, 0.875, key_refine=0.3), None),
+], ids=["flexible", "constrained-two-pass", "key-refinement"])
+def test_batch_parts_give_the_unsplit_step(policy: ReadPolicy, alloc: str | None) -> None:
+    """``batch_streams``: the step as batch parts (each on its own stream on the GPU; here one after the
+    other) over views of one plan's buffers gives every sequence the unsplit step's depths, bits and
+    output bit for bit, and the plan's stats still cover the whole batch."""
+    lengths = [150, 97, 40]
+    codec, cache, q = _setup(seed=33, lengths=lengths)
+    runs = []
+    for streams in (1, 2):
+        reader = TritonReader(codec, policy, value_alloc=alloc)
+        reader.batch_streams = streams
+        plan = reader.plan(3, 150, "cpu", block_tokens=cache.spec.page_size)
+        assert [p.batch for p in plan.parts] == ([2, 1] if streams == 2 else [])
+        plan.out.fill_(float("nan"))
+        plan.logits.fill_(float("nan"))
+        out, st = reader.decode(q, cache, 0, plan=plan)
+        runs.append((out, st, plan))
+    (o1, s1, p1), (o2, s2, p2) = runs
+    assert torch.isfinite(o2).all()
+    assert torch.equal(o1, o2)
+    assert torch.equal(s1.k_depths, s2.k_depths) and torch.equal(s1.v_depths, s2.v_depths)
+    assert torch.equal(s1.k_bits, s2.k_bits) and torch.equal(s1.v_bits, s2.v_bits)
+    if policy.key_refine:
+        assert torch.equal(s1.extra["k_refined"], s2.extra["k_refined"])
+    # the second part's buffers are rows of the plan's own: its sequence 0 is the plan's sequence 2
+    second = p2.parts[1]
+    assert second.kdep.data_ptr() == p2.kdep[2].data_ptr() and second.out.data_ptr() == p2.out[2].data_ptr()
+    assert second.hist.data_ptr() == p2.hist[2 * codec.spec.n_kv_heads // reader.hg].data_ptr()
+    ref, _ = readkv_decode(q, cache, 0, codec, policy)
+    assert ((o2 - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def test_batch_parts_are_checked() -> None:
+    codec, cache, q = _setup(seed=34, lengths=[64, 64])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
+    for bad in (0, 1.5, True):
+        reader.batch_streams = bad
+        with pytest.raises(ValueError, match="batch_streams"):
+            reader.plan(2, 64, "cpu")
+    reader.batch_streams = 4  # more parts than sequences: one per sequence
+    plan = reader.plan(2, 64, "cpu")
+    assert [p.batch for p in plan.parts] == [1, 1] and plan.part_starts == (0, 1)
+    with pytest.raises(ValueError, match="outside"):
+        plan.batch_part(1, 3)
+    with pytest.raises(ValueError, match="planned batch"):
+        reader.run(plan, q[:1], cache.k_pool[0], cache.v_pool[0], cache.page_table[:1].to(torch.int32),
+                   cache.lengths[0][:1].to(torch.int32), 0)
+
+
+def test_batch_parts_fork_and_join_on_their_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's order (no GPU here: streams and events are stand-ins that log): a fork event on the
+    current stream; each part's stream waits for it, runs its part inside its own stream context and
+    records its join event; the current stream waits for every join. Streams rank by part (earlier
+    higher) unless stream_priority is off. The parts' outputs are still the unsplit step's."""
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, device=None, priority=0) -> None:
+            self.priority, self.name = priority, f"s{priority}"
+
+        @staticmethod
+        def priority_range() -> tuple[int, int]:
+            return 0, -5
+
+        def wait_event(self, ev) -> None:
+            log.append(("wait", self.name, ev.name))
+
+    class Event:
+        n = 0
+
+        def __init__(self) -> None:
+            self.name, Event.n = f"e{Event.n}", Event.n + 1
+
+        def record(self, stream) -> None:
+            log.append(("record", self.name, stream.name))
+
+    class Cur:
+        name = "cur"
+
+        def wait_event(self, ev) -> None:
+            log.append(("wait", "cur", ev.name))
+
+    current: list[str] = ["cur"]
+
+    class StreamContext:
+        def __init__(self, st) -> None:
+            self.st = st
+
+        def __enter__(self) -> None:
+            current.append(self.st.name)
+
+        def __exit__(self, *exc) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Cur())
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    codec, cache, q = _setup(seed=35, lengths=[120, 64, 90])
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
+    want, _ = reader.decode(q, cache, 0, plan=reader.plan(3, 128, "cpu"))
+    reader.batch_streams = 3
+    plan = reader.plan(3, 128, "cpu")
+    plan.device = torch.device("cuda")  # only _with_parts and _run_parts look: the parts run on the CPU
+    plan = reader._with_parts(dataclasses.replace(plan, parts=()))
+    for part in plan.parts:
+        part.device = torch.device("cpu")
+    assert [s.priority for s in plan.streams] == [-2, -1, 0]
+    run = reader.run
+
+    def spy(pl, *args, **kw):
+        if pl.parts == () and pl is not plan:
+            log.append(("run", current[-1], pl.batch))
+        return run(pl, *args, **kw)
+
+    monkeypatch.setattr(reader, "run", spy)
+    plan.out.fill_(float("nan"))
+    pt = cache.page_table.to(torch.int32)
+    out = reader._run_parts(plan, q, cache.k_pool[0], cache.v_pool[0], pt, cache.lengths[0].to(torch.int32), 0, None)
+    assert out is None and torch.equal(plan.out, want)
+    assert log == [("record", "e0", "cur"),
+                   ("wait", "s-2", "e0"), ("run", "s-2", 1), ("record", "e1", "s-2"),
+                   ("wait", "s-1", "e0"), ("run", "s-1", 1), ("record", "e2", "s-1"),
+                   ("wait", "s0", "e0"), ("run", "s0", 1), ("record", "e3", "s0"),
+                   ("wait", "cur", "e1"), ("wait", "cur", "e2"), ("wait", "cur", "e3")]
+    reader.stream_priority = False
+    assert [s.priority for s in reader._with_parts(dataclasses.replace(plan, parts=())).streams] == [0, 0, 0]
+
+
+def test_plans_of_one_reader_keep_their_own_program_sizes() -> None:
+    """A plan runs with its own pages per program and block size even after the same reader planned
+    another step shape (a B=1 plan's 256-token blocks beside a B=32 plan's 1024, say)."""
+    codec, cache, q = _setup(seed=36, lengths=[150, 97])
+    page = cache.spec.page_size
+    fresh = TritonReader(codec, ReadPolicy.flexible(2.0))
+    want, _ = fresh.decode(q, cache, 0, plan=fresh.plan(2, 150, "cpu", pages_per_program=1, block_tokens=page))
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
+    first = reader.plan(2, 150, "cpu", pages_per_program=1, block_tokens=page)
+    reader.plan(2, 150, "cpu", pages_per_program=2, block_tokens=2 * page)
+    first.out.fill_(float("nan"))
+    got, _ = reader.decode(q, cache, 0, plan=first)
+    assert torch.equal(got, want)

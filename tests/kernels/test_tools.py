@@ -236,3 +236,16 @@ def test_the_attention_benchmark_runs_a_v_run_format() -> None:
     assert flex.check["rel_err"] < 1e-5
     assert flex.logical_bits_per_scalar == pytest.approx(2.0, abs=0.05)
     assert 1.0 < flex.physical_over_logical < 10.0
+
+
+def test_the_attention_benchmark_runs_batch_parts() -> None:
+    """``planekv bench attention --batch-streams 2`` at a toy size (the interpreter: the parts one after the
+    other): the check against the reference reader and the counted bytes are those of the whole batch."""
+    from planekv.kernels.bench import Shape, run_bench
+
+    rows = {n: run_bench([Shape("toy", 3, 200, 4, 2, 64)], ["readkv-flex-r2"], reps=1, check=True,
+                         batch_streams=n)[0] for n in (1, 2)}
+    assert rows[2].check["k_depth_mismatch"] == 0 and rows[2].check["v_depth_mismatch"] == 0
+    assert rows[2].check["rel_err"] < 1e-5
+    assert rows[2].logical_bits_per_scalar == rows[1].logical_bits_per_scalar
+    assert rows[2].physical_bytes == rows[1].physical_bytes
