@@ -37,6 +37,13 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from ..kvstore import CODEBOOKS
     from .bench import SHAPES, SYSTEMS
@@ -73,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
                    help="the format's V layout: each token's planes in runs of this many rows (1: plane-major; "
                         "docs/DECISIONS.md)")
-    a.add_argument("--batch-streams", type=int, default=1,
+    a.add_argument("--batch-streams", type=_at_least_one, default=1,
                    help="the ReadKV step as this many batch parts, each on a CUDA stream of its own (TritonReader."
                         "batch_streams; 1: one stream)")
     a.set_defaults(func=_bench_attention)

@@ -249,3 +249,11 @@ def test_the_attention_benchmark_runs_batch_parts() -> None:
     assert rows[2].check["rel_err"] < 1e-5
     assert rows[2].logical_bits_per_scalar == rows[1].logical_bits_per_scalar
     assert rows[2].physical_bytes == rows[1].physical_bytes
+
+
+def test_the_attention_benchmark_refuses_fewer_than_one_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    from planekv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "attention", "--batch-streams", "0"])
+    assert exc.value.code == 2 and "--batch-streams: must be >= 1, got 0" in capsys.readouterr().err
