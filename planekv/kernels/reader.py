@@ -202,6 +202,11 @@ class Plan:
     streams: tuple[torch.cuda.Stream, ...] = ()
     events: tuple[torch.cuda.Event, ...] = ()
 
+    @property
+    def split_pages(self) -> int:
+        """Pages per Key-stage split (program): the bit-product stage's ``mma_pages``, else ``pages_per_program``."""
+        return self.mma_pages if self.key_mma else self.pages_per_program
+
     def batch_part(self, b0: int, b1: int) -> Plan:
         """The plan of sequences b0..b1-1 over views of this plan's buffers: every buffer is batch-major
         (its first dimension B, B*Hkv or the B*Hkv/HG groups, a group never spanning two sequences), so
@@ -995,7 +1000,7 @@ class TritonReader:
                                    **vconst, num_warps=aw)
                 mark("value_order")
         if plan.value_mma and self._bits("value_bits") < 0:
-            ts = (plan.mma_pages if plan.key_mma else ppk) * p  # tokens per Key-stage split
+            ts = plan.split_pages * p  # tokens per Key-stage split
             pair = d >= 256 if self.imma_pair == "auto" else bool(self.imma_pair)
             if self.vimma_prefetch not in (0, 1, 2):
                 raise ValueError(f"vimma_prefetch must be 0, 1 or 2, got {self.vimma_prefetch!r}")
@@ -1080,7 +1085,7 @@ class TritonReader:
                             plan.logits, scale, slots, tmax, HQ=hq, HKV=hk, G=g, D=d, W=w, P=p, BLK=blk,
                             TS=max(1, 1024 // d), num_warps=nw)
         mark("refine_decode")
-        ntok = plan.mma_pages * p if plan.key_mma else plan.pages_per_program * p  # tokens per Key-stage split
+        ntok = plan.split_pages * p  # tokens per Key-stage split
         _key_restat[(b * hk, plan.n_splits)](plan.logits, lengths, plan.mstat, plan.sstat, tmax, HQ=hq, HKV=hk, G=g,
                                              G2=g2, NTOK=ntok, num_warps=nw)
         mark("refine_stats")

@@ -259,7 +259,8 @@ class PlaneKVCache:
         top = int(depth_t.max()) if depth_t.numel() else 0
         if top == 0 or t == 0:
             return torch.zeros((hk, t, d), dtype=torch.uint8, device=self.device)
-        raw = v_planes(self.v_pool[layer][pages], spec.v_run)[:, :, :top]  # [Hkv, slots, top, P, d/8]
+        runs = -(-top // spec.v_run)  # the runs that hold planes 0..top-1, rearranged alone
+        raw = v_planes(self.v_pool[layer][pages][:, :, :runs], spec.v_run)[:, :, :top]  # [Hkv, slots, top, P, d/8]
         bits = unpack_bits(raw)  # [Hkv, slots, top, P, d]
         bits = bits.permute(0, 1, 3, 2, 4).reshape(hk, -1, top, d)[:, :t]  # [Hkv, T, top, d]
         keep = torch.arange(top, device=self.device)[None, None, :] < depth_t[:, :, None]

@@ -554,7 +554,7 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
     lina, linw, wmax = c["lin_a"], c["lin_w"], reader._wmax
     sel = torch.tensor([xpose_selectors(lane // 4) for lane in range(32)])
     blk_t, nblk, nsk = plan.block_tokens, plan.n_blocks, plan.n_splits
-    ts_tok = (plan.mma_pages if plan.key_mma else plan.pages_per_program) * p
+    ts_tok = plan.split_pages * p
     cw = 128 if d >= 128 else 64
     two = d >= 128
     kw = 2.0 ** 22 / wmax
