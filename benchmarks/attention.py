@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py --shapes b32-t32k b1-t8k --json out.json
 
-Prints a Markdown table and writes JSON; see planekv/kernels/bench.py for what is measured.
+Prints a Markdown table and writes JSON; see planekv/bench/attention.py for what is measured.
 """
 
 import sys

@@ -18,7 +18,7 @@ from . import __version__
 # Modules that add subcommands; each has `register(subparsers)`.
 _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "planekv.evaluation.cli",  # calibrate, eval
-    "planekv.kernels.cli",  # bench attention
+    "planekv.bench.cli",  # bench attention
     "planekv.services.cli",  # control, store
 )
 

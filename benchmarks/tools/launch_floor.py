@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from planekv.kernels.bench import _time_graphs
+from planekv.bench import time_graphs
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def main() -> int:
                 def step(n=n, progs=progs, buf=buf, pdl=pdl):
                     for _ in range(n):
                         _hop[(progs,)](buf, N=128, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
-                ms[n] = _time_graphs([step], args.reps)[0]
+                ms[n] = time_graphs([step], args.reps)[0]
             lo, hi = min(args.chain), max(args.chain)
             slope = (ms[hi] - ms[lo]) / (hi - lo) * 1e3 if hi > lo else float("nan")
             for n in args.chain:
@@ -74,7 +74,7 @@ def main() -> int:
     q = torch.randn(1, 32, 1, 128, device=dev, dtype=torch.float16)
     k = torch.randn(1, 8, 8192, 128, device=dev, dtype=torch.float16)
     v = torch.randn_like(k)
-    sdpa = _time_graphs([lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)],
+    sdpa = time_graphs([lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)],
                         args.reps)[0]
     print(f"SDPA B=1 T=8192 (32/8, d=128): {sdpa * 1e3:.2f} us")
     rows.append({"sdpa_b1_t8k_us": sdpa * 1e3})

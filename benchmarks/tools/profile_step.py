@@ -5,7 +5,7 @@
         --section ComputeWorkloadAnalysis --section WarpStateStats \
         python benchmarks/tools/profile_step.py --shape b32-t32k --steps 1
 
-The same synthetic data and policies as ``planekv bench attention`` (planekv.kernels.bench), one
+The same synthetic data and policies as ``planekv bench attention`` (planekv.bench.attention), one
 input set, ``--steps`` decode steps after one warm-up step (compilation happens there).
 """
 
@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _gen, _policy, apply_settings, parse_settings
-from planekv.kernels.reader import TritonReader
+from planekv.bench import SHAPES, config_with, parse_settings, policy_of, synthetic_step
+from planekv.kernels import TritonReader
 from planekv.kvstore.codebook import CODEBOOKS
 
 
@@ -29,20 +29,19 @@ def main() -> int:
     ap.add_argument("--v-run", type=int, default=1, choices=(1, 2, 4, 8),
                     help="the format's V layout (FormatSpec.v_run)")
     ap.add_argument("--set", action="append", default=[], dest="attrs", metavar="NAME=VALUE",
-                    help="a TritonReader attribute (int or float where it parses as one)")
+                    help="a ReaderConfig field (int or float where it parses as one)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     dev = torch.device("cuda")
-    data = _gen(shape, dev, 0, None, codebook=args.codebook, v_run=args.v_run)
-    pol = _policy(args.system, None)
+    data = synthetic_step(shape, dev, 0, None, codebook=args.codebook, v_run=args.v_run)
+    pol = policy_of(args.system)
     if pol is None:
         raise SystemExit(f"unknown ReadKV system {args.system}")
-    reader = TritonReader(data.codec, pol)
     try:
-        for item in args.attrs:
-            apply_settings(reader, parse_settings(item))
-    except ValueError as exc:
+        config = config_with({k: v for item in args.attrs for k, v in parse_settings(item).items()})
+    except (TypeError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
+    reader = TritonReader(data.codec, pol, config=config)
     plan = reader.plan(shape.batch, shape.tokens, dev)
     for _ in range(1 + args.steps):
         reader.run(plan, data.q, data.cache.k_pool[0], data.cache.v_pool[0], data.page_table, data.lengths, 0)

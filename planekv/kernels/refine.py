@@ -25,10 +25,13 @@ not fit (the reference's prefix of its sorted order, ties in (head, position) or
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .decode import NBINS, NPASS, RBITS, _block_prog, _load_scalar, _probs, _radix_digit, _softmax_stats
+from .common import _block_prog, _load_scalar, _probs, _softmax_stats, next_pow2
+from .plan import Step
+from .radix import NBINS, NPASS, RBITS, _radix_digit
 
 # int64 words per group in the selection buffer: per pass, the prefix chosen so far and the bits
 # still to spend among the keys matching it
@@ -235,3 +238,34 @@ def _key_restat(logit_ptr, len_ptr, mstat_ptr, sstat_ptr, TMAX, HQ: tl.constexpr
     s = tl.sum(tl.exp(lg - m_safe[:, None]), 1)
     tl.store(mstat_ptr + (q0 + gg) * NSPLIT + split, m, mask=gg < G)
     tl.store(sstat_ptr + (q0 + gg) * NSPLIT + split, s, mask=gg < G)
+
+
+def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor) -> None:
+    """After the Key stage: the refinement keys and radix pass 1, passes 2..8 each with its selection, the
+    ties, the chosen tokens, their Keys at depth W (logits rewritten) and the splits' statistics recomputed.
+    The keys live in ``plan.vimp``, free until the Value allocation writes importances."""
+    k, pl, c, ch = st.k, st.plan, st.c, st.ch
+    b, nblk, blk, tmax = pl.batch, pl.n_blocks, ch.block_tokens, pl.max_tokens
+    grid = (b * k.hk, nblk)
+    hgp = next_pow2(k.hg)
+    nw = st.num_warps
+    rkey = pl.vimp.view(torch.int32)
+    sig_k = c["sig_k"][st.layer]
+    bkr = k.bk - k.bk_stage  # the budget's share for refinement
+    _refine_score[grid](pl.logits, pl.mstat, pl.sstat, lengths, pl.qt, sig_k, pl.kdep, c["dist"], rkey, pl.rcost,
+                        pl.rhist, st.scale, tmax, pl.n_splits, HQ=k.hq, HKV=k.hk, HG=k.hg, HG_PAD=hgp, G=k.g,
+                        G2=st.g2, NSK_PAD=st.nsk_pad, D=k.d, W=k.w, BLK=blk, num_warps=nw)
+    sel = dict(HKV=k.hk, HG=k.hg, HG_PAD=hgp, num_warps=1)
+    _refine_select[(st.groups,)](pl.rhist, pl.rsel, pl.rcost, lengths, bkr, PASS=1, **sel)
+    for pas in range(2, NPASS.value + 1):
+        _refine_radix[grid](rkey, lengths, pl.rsel, pl.rhist, tmax, PASS=pas, HKV=k.hk, HG=k.hg, HG_PAD=hgp, BLK=blk,
+                            num_warps=nw)
+        _refine_select[(st.groups,)](pl.rhist, pl.rsel, pl.rcost, lengths, bkr, PASS=pas, **sel)
+    _refine_ties[grid](rkey, lengths, pl.rsel, pl.rtie, tmax, HKV=k.hk, HG=k.hg, BLK=blk, num_warps=nw)
+    _refine_order[grid](rkey, lengths, pl.rsel, pl.rtie, pl.rcost, pl.rord, pl.rcnt, tmax, HKV=k.hk, HG=k.hg,
+                        HG_PAD=hgp, BLK=blk, NT_PAD=next_pow2(k.hg * nblk), num_warps=nw)
+    _key_refine_f[grid](k_pool, page_table, lengths, pl.rord, pl.rcnt, pl.qt, sig_k, pl.base, c["tabw"], pl.logits,
+                        st.scale, st.slots, tmax, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p, BLK=blk,
+                        TS=max(1, 1024 // k.d), num_warps=nw)
+    _key_restat[(b * k.hk, pl.n_splits)](pl.logits, lengths, pl.mstat, pl.sstat, tmax, HQ=k.hq, HKV=k.hk, G=k.g,
+                                         G2=st.g2, NTOK=ch.key_pages * k.p, num_warps=nw)

@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from planekv.kernels import TritonReader
+from planekv.kernels import Encoder, ReaderConfig, TritonReader
 from planekv.kernels import reader as reader_mod
-from planekv.kernels.encode import Encoder
+from planekv.kernels.config import Target
 from planekv.kvstore import Codec, PlaneKVCache, ReadPolicy
 from planekv.kvstore.reference import attention, readkv_decode
 from planekv.kvstore.synthetic import make_synthetic
@@ -93,7 +93,7 @@ def test_reader_matches_reference_with_the_linear_codebook(name: str) -> None:
 @pytest.mark.parametrize("assembly", ["transpose", "fma"])
 def test_full_reader_kernel_is_attention_over_depth4(assembly: str) -> None:
     codec, cache, q = _setup(seed=7, lengths=[130])
-    out, st = TritonReader(codec, fixed_depth=4, assembly=assembly).decode(q, cache, 0)
+    out, st = TritonReader(codec, fixed_depth=4, config=ReaderConfig(assembly=assembly)).decode(q, cache, 0)
     kk = codec.decode(cache.read_k(0, 0, 8), 4, 0, "k")
     vv = codec.decode(cache.read_v(0, 0, 8), 4, 0, "v")
     ref = attention(q[0][:, None], kk, vv, torch.tensor([130]))[:, 0]
@@ -119,8 +119,7 @@ def test_query_and_output_transforms_in_the_kernels_equal_the_torch_gemms() -> N
     qh = q.half().transpose(0, 1).contiguous().transpose(0, 1)  # [B, Hq, d], not contiguous
     outs, deps = [], []
     for fuse in (True, False):
-        reader = TritonReader(codec, pol)
-        reader.fuse_transforms = fuse
+        reader = TritonReader(codec, pol, config=ReaderConfig(fuse_transforms=fuse))
         plan = reader.plan(2, 90, "cpu")
         plan.out.fill_(float("nan"))
         plan.qt.fill_(float("nan"))  # poison: _prep must write every row it reads
@@ -133,11 +132,12 @@ def test_query_and_output_transforms_in_the_kernels_equal_the_torch_gemms() -> N
     args = (cache.k_pool[0], cache.v_pool[0], cache.page_table.to(torch.int32), cache.lengths[0].to(torch.int32), 0)
     with pytest.raises(ValueError, match="q must be"):
         reader.run(plan, qh[:, :4], *args)
-    reader.fuse_transforms = "always"
     with pytest.raises(ValueError, match="fuse_transforms"):
-        reader.run(plan, qh, *args)
-    reader.fuse_transforms = "auto"  # by head dim, where it measured faster
-    assert [reader._fuse_transforms(d) for d in (64, 128, 256)] == [True, True, False]
+        ReaderConfig(fuse_transforms="always")
+    # auto: by head dim, where it measured faster
+    fused = [TritonReader(_setup(seed=1, lengths=[8], d=d, hk=1)[0], pol).choices(1, 64, "cpu").fuse_transforms
+             for d in (64, 128, 256)]
+    assert fused == [True, True, False]
 
 
 @pytest.mark.parametrize("codebook,v_run", [("gaussian-lloyd-tree", 1), ("uniform-linear-c3", 1),
@@ -159,11 +159,12 @@ def test_encode_kernel_writes_the_reference_layout(codebook: str, v_run: int) ->
             assert (x != y).float().mean().item() < 1e-4
 
 
-@pytest.mark.parametrize("v_run,d,kind,compact", [(4, 64, "serial", False), (2, 64, "fma", True),
-                                                  (8, 256, "transpose", True), (4, 64, "transpose", None)])
-def test_value_stages_read_the_v_run_layouts(v_run: int, d: int, kind: str, compact: bool | None) -> None:
+@pytest.mark.parametrize("v_run,d,kind,compact", [(4, 64, "transpose", False), (2, 64, "fma", True),
+                                                  (8, 256, "transpose", True), (4, 64, "transpose", True)])
+def test_value_stages_read_the_v_run_layouts(v_run: int, d: int, kind: str, compact: bool) -> None:
     """The same keys and values stored with each token's V planes in runs of ``v_run`` rows: every Value
-    stage (bit-serial, FMA, transposing; every token or the depth > 0 ones) reads the same bits, so the
+    stage (FMA; MMA with bit-serial tiles at d = 64 or transposing ones at d = 256; every token or the
+    depth > 0 ones) reads the same bits, so the
     depths and outputs equal those of the plane-major format and the reference reader's; a pool of the
     other layout is refused."""
     lengths = [150, 97]
@@ -175,7 +176,7 @@ def test_value_stages_read_the_v_run_layouts(v_run: int, d: int, kind: str, comp
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
     outs = []
     for cd, ch in ((codec, cache), (codec1, cache1)):
-        reader = TritonReader(cd, policy, assembly=kind, compact_values=compact)
+        reader = TritonReader(cd, policy, config=ReaderConfig(assembly=kind, compact_values=compact))
         plan = reader.plan(2, 150, "cpu")
         plan.out.fill_(float("nan"))
         out, st = reader.decode(q, ch, 0, plan=plan)
@@ -231,47 +232,34 @@ def test_readkv_decode_is_a_drop_in_for_the_reference() -> None:
 
 
 @pytest.mark.parametrize("pages_per_program,d", [(4, 256), (2, 64)])
-def test_transposing_assembly_equals_the_bit_serial_one(pages_per_program: int, d: int) -> None:
-    """Word-level transposition (one byte load per plane and 8 elements, an 8x8 bit transpose) in
-    the Key stage writes the same logits and softmax statistics as bit-serial assembly, and in the
-    Value stage (d >= 256) the same per-block partial sums, for sequences that end mid-page and
-    channels and tokens of every depth."""
+def test_mma_assembly_equals_the_fma_one(pages_per_program: int, d: int) -> None:
+    """The two assemblies of the Key and Value stages (fp16 MMAs of table values over bit-transposed codes;
+    float32 FMAs on the CUDA cores over the depth > 0 channels) write the same logits and softmax statistics
+    and the same depths and output, within float32 summation order, for sequences that end mid-page and
+    channels and tokens of every depth; the MMA Value stage's tiles are bit-transposed at d >= 256 only."""
     codec, cache, q = _setup(seed=101 + pages_per_program, lengths=[150, 97, 64], d=d, hk=1 if d > 128 else 2)
     policy = ReadPolicy.flexible(5.0)
     ref, _ = readkv_decode(q, cache, 0, codec, policy)
     runs = {}
-    for kind in ("serial", "transpose", "fma"):
-        reader = TritonReader(codec, policy, assembly=kind)
+    for kind in ("transpose", "fma"):
+        reader = TritonReader(codec, policy, config=ReaderConfig(assembly=kind))
         plan = reader.plan(3, 150, "cpu", pages_per_program=pages_per_program)
-        assert reader._transposing(plan.pages_per_program, cache.spec.page_size) == (kind == "transpose")
-        assert reader._value_transposing(d) == (kind != "serial" and d >= 256)
+        assert plan.choices.key_stage == kind and plan.choices.value_transposing == (d >= 256)
         plan.logits.fill_(float("nan"))
         plan.out.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
-        runs[kind] = (plan.logits.clone(), plan.mstat.clone(), plan.sstat.clone(), out.clone(), st, plan.part.clone())
-    (ls, ms, ss, out_s, sts, ps), (lt, mt, st_, ot, stt, pt) = runs["serial"], runs["transpose"]
+        runs[kind] = (plan.logits.clone(), plan.mstat.clone(), plan.sstat.clone(), out.clone(), st)
+    (lt, mt, st_, ot, stt), (lf, mf, sf, of, stf) = runs["transpose"], runs["fma"]
     assert int(stt.v_depths.max()) >= 4 and int((stt.v_depths[0, :, :150] == 0).sum()) > 0
-    # per-block partial sums of fp16 hi/lo MMA products, summed in another order by each assembly: a
-    # few elements near zero differ by ~1e-6 absolute (seen at 1.25e-6 with numpy 2.3.5); the output
-    # below is held to 1e-6 relative
-    torch.testing.assert_close(pt, ps, rtol=1e-5, atol=5e-6)
     assert int(stt.k_depths.max()) >= 6 and int(stt.k_depths.min()) <= 2  # shallow and deep channels
     for b, t in enumerate([150, 97, 64]):
         assert torch.isfinite(lt[b, :, :t]).all()
-        torch.testing.assert_close(lt[b, :, :t], ls[b, :, :t], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(mt, ms, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(st_, ss, rtol=1e-5, atol=1e-6)
-    assert torch.equal(stt.v_depths, sts.v_depths)
-    assert ((ot - ref).norm() / ref.norm()).item() < 1e-5
-    assert ((ot - out_s).norm() / out_s.norm()).item() < 1e-6
-    # the FMA Key stage (float32 FMAs over the depth > 0 channels) writes the same logits and stats
-    lf, mf, sf, of, stf, _ = runs["fma"]
-    for b, t in enumerate([150, 97, 64]):
-        torch.testing.assert_close(lf[b, :, :t], ls[b, :, :t], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mf, ms, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sf, ss, rtol=1e-5, atol=1e-5)
-    assert torch.equal(stf.k_depths, sts.k_depths) and torch.equal(stf.v_depths, sts.v_depths)
-    assert ((of - ref).norm() / ref.norm()).item() < 1e-5
+        torch.testing.assert_close(lf[b, :, :t], lt[b, :, :t], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mf, mt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sf, st_, rtol=1e-5, atol=1e-5)
+    assert torch.equal(stf.k_depths, stt.k_depths) and torch.equal(stf.v_depths, stt.v_depths)
+    for out in (ot, of):
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("name,hq,hk,compact", [("flexible-r2-k0.3", 4, 2, True), ("constrained-r2", 8, 8, False),
@@ -285,7 +273,8 @@ def test_fma_stages_match_the_reference(name: str, hq: int, hk: int, compact: bo
     policy = POLICIES[name]
     codec, cache, q = _setup(seed=zlib.crc32(name.encode()) % 997 + hq, lengths=[150, 97], hq=hq, hk=hk)
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
-    reader = TritonReader(codec, policy, assembly="fma", compact_values=compact)
+    config = ReaderConfig(assembly="fma", compact_values="auto" if compact is None else compact)
+    reader = TritonReader(codec, policy, config=config)
     plan = reader.plan(2, 150, "cpu", pages_per_program=2)
     plan.out.fill_(float("nan"))
     plan.logits.fill_(float("nan"))
@@ -306,22 +295,25 @@ def test_fma_stages_match_the_reference(name: str, hq: int, hk: int, compact: bo
 def test_fma_stages_refuse_groups_over_8_and_the_default_falls_back() -> None:
     codec, _, _ = _setup(seed=3, lengths=[8], hq=32, hk=2)
     with pytest.raises(ValueError, match="8 query heads"):
-        TritonReader(codec, assembly="fma")
+        TritonReader(codec, config=ReaderConfig(assembly="fma"))
     assert TritonReader(codec).assembly == "transpose"  # G = 16: the MMA stages
     assert TritonReader(_setup(seed=3, lengths=[8])[0]).assembly == "fma"
 
 
-def test_transposing_key_stage_falls_back_when_the_tile_is_too_small() -> None:
-    codec, cache, q = _setup(seed=5, lengths=[70])
-    reader = TritonReader(codec, ReadPolicy.flexible(4.0), assembly="transpose")
-    plan = reader.plan(1, 70, "cpu", pages_per_program=1)
-    assert not reader._transposing(plan.pages_per_program, cache.spec.page_size)  # M = P / 8 < 16: bit-serial
+def test_transposing_key_stage_refuses_a_tile_it_cannot_transpose() -> None:
+    """The MMA Key stage's tile is pages_per_program x P / 8 rows, 16 to 64 (the MMA's minimum, the
+    registers' limit): a plan with 8 rows is refused with the rule, before anything runs."""
+    codec, _, _ = _setup(seed=5, lengths=[70])
+    reader = TritonReader(codec, ReadPolicy.flexible(4.0), config=ReaderConfig(assembly="transpose"))
+    assert reader.plan(1, 70, "cpu").choices.key_stage == "transpose"  # 4 pages: 32 rows
+    with pytest.raises(ValueError, match="16, 32 or 64 rows"):
+        reader.plan(1, 70, "cpu", pages_per_program=1)  # 64 / 8 = 8 rows
     with pytest.raises(ValueError, match="assembly"):
-        TritonReader(codec, assembly="lut")
+        ReaderConfig(assembly="lut")
 
 
 def test_reversed_table_is_indexed_by_bit_reversed_codes() -> None:
-    from planekv.kernels.reader import packed_table, reversed_table, reversed_table_f32
+    from planekv.kernels.tables import packed_table, reversed_table, reversed_table_f32
 
     codec, _, _ = _setup(seed=1, lengths=[8])
     w = codec.width
@@ -344,7 +336,7 @@ def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int, assem
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
     runs = {}
     for compact in (False, True):
-        reader = TritonReader(codec, policy, compact_values=compact, assembly=assembly)
+        reader = TritonReader(codec, policy, config=ReaderConfig(compact_values=compact, assembly=assembly))
         plan = reader.plan(2, 150, "cpu")
         plan.part.fill_(float("nan"))
         out, st = reader.decode(q, cache, 0, plan=plan)
@@ -370,37 +362,39 @@ def test_value_compaction_skips_depth0_tokens_and_keeps_the_output(d: int, assem
 
 
 def test_compaction_is_chosen_where_it_was_measured_faster() -> None:
-    """compact_values=None: the FMA stages (the default) always compact (every policy measured was
+    """compact_values="auto": the FMA stages (the default) always compact (every policy measured was
     faster); the MMA stages compact sparse Value reads (mean depth <= 1 plane, no minimum) and
     d >= 256 only. Never the Full Reader; explicit choices win."""
     codec, _, _ = _setup(seed=1, lengths=[8])  # d = 64
     for pol in (ReadPolicy.flexible(2.0, k_share=0.875), ReadPolicy.flexible(4.0, k_share=0.75),
                 ReadPolicy.constrained(2.0)):
         assert TritonReader(codec, pol).compact_values
-    assert not TritonReader(codec, ReadPolicy.constrained(2.0), compact_values=False).compact_values
-    mma = dict(assembly="transpose")
-    assert TritonReader(codec, ReadPolicy.flexible(2.0, k_share=0.875), **mma).compact_values  # 0.5 plane
-    assert not TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), **mma).compact_values  # 2 planes
-    assert not TritonReader(codec, ReadPolicy.constrained(2.0), **mma).compact_values  # minimum depth 1
-    assert not TritonReader(codec, fixed_depth=4, compact_values=True).compact_values
-    assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), compact_values=True, **mma).compact_values
+    off = ReaderConfig(compact_values=False)
+    assert not TritonReader(codec, ReadPolicy.constrained(2.0), config=off).compact_values
+    mma, mma_on = ReaderConfig(assembly="transpose"), ReaderConfig(assembly="transpose", compact_values=True)
+    assert TritonReader(codec, ReadPolicy.flexible(2.0, k_share=0.875), config=mma).compact_values  # 0.5 plane
+    assert not TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), config=mma).compact_values  # 2 planes
+    assert not TritonReader(codec, ReadPolicy.constrained(2.0), config=mma).compact_values  # minimum depth 1
+    assert not TritonReader(codec, fixed_depth=4, config=ReaderConfig(compact_values=True)).compact_values
+    assert TritonReader(codec, ReadPolicy.flexible(4.0, k_share=0.75), config=mma_on).compact_values
     codec256, _, _ = _setup(seed=1, lengths=[8], d=256, hk=1)
-    assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75), **mma).compact_values
+    assert TritonReader(codec256, ReadPolicy.flexible(4.0, k_share=0.75), config=mma).compact_values
 
 
 @pytest.mark.parametrize("key_loop", [0, 1])
 def test_key_channel_list_and_both_walks(key_loop: int) -> None:
-    """The FMA Key stage walks each head's channels of depth > 0 from ``kord``: key_loop=0 in
-    segments of one depth, deepest first (one unmasked loop per depth), key_loop=1 in channel order
+    """The FMA Key stage walks each head's channels of depth > 0 from ``kord``: by-depth (0) in
+    segments of one depth, deepest first (one unmasked loop per depth), by-channel (1) in channel order
     (a branch per channel to its depth's body); ``kcnt[:, t]`` holds how many channels have depth t
     and ``kcnt[:, 0]`` the list's length. Every read channel is listed once, and both walks give the
     reference reader's output."""
     codec, cache, q = _setup(seed=5, lengths=[150, 97])
     policy = ReadPolicy.flexible(4.0, k_share=0.75)
     ref, _ = readkv_decode(q, cache, 0, codec, policy)
-    reader = TritonReader(codec, policy, assembly="fma", key_loop=key_loop)
+    walk = ("by-depth", "by-channel")[key_loop]
+    reader = TritonReader(codec, policy, config=ReaderConfig(assembly="fma", key_walk=walk))
     plan = reader.plan(2, 150, "cpu")
-    assert plan.key_loop == key_loop
+    assert plan.choices.key_walk == key_loop
     plan.out.fill_(float("nan"))
     out, _ = reader.decode(q, cache, 0, plan=plan)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
@@ -425,15 +419,15 @@ def test_key_channel_list_and_both_walks(key_loop: int) -> None:
     assert len(depths_seen) >= 3  # several depths (segments, branches) ran
 
 
-def test_key_loop_is_chosen_by_step_size() -> None:
-    """key_loop=None: channel order for large steps (measured faster at B=32 T=32768), depth
-    segments for small ones and the Full Reader (KERNEL_NOTES run 36); bad values are refused."""
-    codec, _, _ = _setup(seed=5, lengths=[150, 97])
+def test_key_walk_is_chosen_by_step_size() -> None:
+    """key_walk="auto": channel order from 2^18 (sequence, KV head, token) triples (measured faster at B=32
+    T=32768), depth segments below and for the Full Reader; bad values are refused."""
+    codec, _, _ = _setup(seed=5, lengths=[150, 97])  # 2 KV heads
     reader = TritonReader(codec, ReadPolicy.flexible(2.0))
-    assert reader._key_loop(32 * 8 * 32768) == 1 and reader._key_loop(8 * 8192) == 0
-    assert TritonReader(codec, fixed_depth=4)._key_loop(32 * 8 * 32768) == 0
-    with pytest.raises(ValueError, match="key_loop"):
-        TritonReader(codec, ReadPolicy.flexible(2.0), key_loop=2)
+    assert reader.choices(128, 32768, "cpu").key_walk == 1 and reader.choices(4, 8192, "cpu").key_walk == 0
+    assert TritonReader(codec, fixed_depth=4).choices(128, 32768, "cpu").key_walk == 0
+    with pytest.raises(ValueError, match="key_walk"):
+        ReaderConfig(key_walk="zigzag")
 
 
 @pytest.mark.parametrize("sms", [132, 1])
@@ -442,14 +436,14 @@ def test_program_sizes_follow_the_step_size(monkeypatch: pytest.MonkeyPatch, sms
     128-token Key programs decoding 4 channels at a time and 256-token Value blocks; a larger one
     (here: one SM) 1024-token programs, one channel at a time. Both give the reference reader's
     depths and output."""
-    monkeypatch.setattr(reader_mod, "_sm_count", lambda dev: sms)
+    monkeypatch.setattr(reader_mod, "target_of", lambda dev: Target(False, sms))
     codec, cache, q = _setup(seed=8, lengths=[300, 129])
     policy = ReadPolicy.flexible(2.0)
     ref, rst = readkv_decode(q, cache, 0, codec, policy)
-    reader = TritonReader(codec, policy, key_loop=0)
+    reader = TritonReader(codec, policy, config=ReaderConfig(key_walk="by-depth"))
     plan = reader.plan(2, 300, "cpu")
     small = sms == 132
-    assert (plan.key_ch, plan.n_splits, plan.n_blocks) == ((4, 3, 2) if small else (1, 1, 1))
+    assert (plan.choices.key_channels, plan.n_splits, plan.n_blocks) == ((4, 3, 2) if small else (1, 1, 1))
     plan.out.fill_(float("nan"))
     out, st = reader.decode(q, cache, 0, plan=plan)
     assert_same_depths(st.k_depths, rst.k_depths)
@@ -471,8 +465,7 @@ def test_batch_parts_give_the_unsplit_step(policy: ReadPolicy, alloc: str | None
     codec, cache, q = _setup(seed=33, lengths=lengths)
     runs = []
     for streams in (1, 2):
-        reader = TritonReader(codec, policy, value_alloc=alloc)
-        reader.batch_streams = streams
+        reader = TritonReader(codec, policy, config=ReaderConfig(value_alloc=alloc or "auto", batch_streams=streams))
         plan = reader.plan(3, 150, "cpu", block_tokens=cache.spec.page_size)
         assert [p.batch for p in plan.parts] == ([2, 1] if streams == 2 else [])
         plan.out.fill_(float("nan"))
@@ -489,20 +482,18 @@ def test_batch_parts_give_the_unsplit_step(policy: ReadPolicy, alloc: str | None
     # the second part's buffers are rows of the plan's own: its sequence 0 is the plan's sequence 2
     second = p2.parts[1]
     assert second.kdep.data_ptr() == p2.kdep[2].data_ptr() and second.out.data_ptr() == p2.out[2].data_ptr()
-    assert second.hist.data_ptr() == p2.hist[2 * codec.spec.n_kv_heads // reader.hg].data_ptr()
+    assert second.hist.data_ptr() == p2.hist[2 * codec.spec.n_kv_heads // reader.consts.hg].data_ptr()
     ref, _ = readkv_decode(q, cache, 0, codec, policy)
     assert ((o2 - ref).norm() / ref.norm()).item() < 1e-3
 
 
 def test_batch_parts_are_checked() -> None:
     codec, cache, q = _setup(seed=34, lengths=[64, 64])
-    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
     for bad in (0, 1.5, True):
-        reader.batch_streams = bad
         with pytest.raises(ValueError, match="batch_streams"):
-            reader.plan(2, 64, "cpu")
-    reader.batch_streams = 4  # more parts than sequences: one per sequence
-    plan = reader.plan(2, 64, "cpu")
+            ReaderConfig(batch_streams=bad)
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0), config=ReaderConfig(batch_streams=4))
+    plan = reader.plan(2, 64, "cpu")  # more parts than sequences: one per sequence
     assert [p.batch for p in plan.parts] == [1, 1] and plan.part_starts == (0, 1)
     with pytest.raises(ValueError, match="outside"):
         plan.batch_part(1, 3)
@@ -561,9 +552,9 @@ def test_batch_parts_fork_and_join_on_their_streams(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Cur())
     monkeypatch.setattr(torch.cuda, "stream", StreamContext)
     codec, cache, q = _setup(seed=35, lengths=[120, 64, 90])
-    reader = TritonReader(codec, ReadPolicy.flexible(2.0))
-    want, _ = reader.decode(q, cache, 0, plan=reader.plan(3, 128, "cpu"))
-    reader.batch_streams = 3
+    one = TritonReader(codec, ReadPolicy.flexible(2.0))
+    want, _ = one.decode(q, cache, 0, plan=one.plan(3, 128, "cpu"))
+    reader = TritonReader(codec, ReadPolicy.flexible(2.0), config=ReaderConfig(batch_streams=3))
     plan = reader.plan(3, 128, "cpu")
     plan.device = torch.device("cuda")  # only _with_parts and _run_parts look: the parts run on the CPU
     plan = reader._with_parts(dataclasses.replace(plan, parts=()))
@@ -587,8 +578,8 @@ def test_batch_parts_fork_and_join_on_their_streams(monkeypatch: pytest.MonkeyPa
                    ("wait", "s-1", "e0"), ("run", "s-1", 1), ("record", "e2", "s-1"),
                    ("wait", "s0", "e0"), ("run", "s0", 1), ("record", "e3", "s0"),
                    ("wait", "cur", "e1"), ("wait", "cur", "e2"), ("wait", "cur", "e3")]
-    reader.stream_priority = False
-    assert [s.priority for s in reader._with_parts(dataclasses.replace(plan, parts=())).streams] == [0, 0, 0]
+    flat = TritonReader(codec, ReadPolicy.flexible(2.0), config=ReaderConfig(batch_streams=3, stream_priority=False))
+    assert [s.priority for s in flat._with_parts(dataclasses.replace(plan, parts=())).streams] == [0, 0, 0]
 
 
 def test_plans_of_one_reader_keep_their_own_program_sizes() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planekv.kernels import TritonReader
+from planekv.kernels import ReaderConfig, TritonReader
 from planekv.kvstore import ReadPolicy
 from planekv.kvstore.reference import readkv_decode
 
@@ -81,7 +81,7 @@ def test_refinement_options_the_kernels_lack_are_refused() -> None:
     with pytest.raises(ValueError, match="key_refine_block"):
         TritonReader(codec, ReadPolicy.flexible(2.0, key_refine=0.2, key_refine_block=16))
     with pytest.raises(ValueError, match="FMA"):
-        TritonReader(codec, ReadPolicy.flexible(2.0, key_refine=0.2), assembly="transpose")
+        TritonReader(codec, ReadPolicy.flexible(2.0, key_refine=0.2), config=ReaderConfig(assembly="transpose"))
     with pytest.raises(ValueError, match="no Key refinement"):
         r = TritonReader(codec, ReadPolicy.flexible(2.0))
         r.refined(r.plan(1, 64, "cpu"))

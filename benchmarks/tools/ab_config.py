@@ -1,12 +1,11 @@
-"""A/B timings of TritonReader tuning attributes, one process, SDPA timed beside them.
+"""A/B timings of reader settings (ReaderConfig fields), one process, SDPA timed beside them.
 
-    PYTHONPATH=. python benchmarks/tools/ab_knobs.py --shapes b32-t32k b1-t8k \
-        --systems readkv-flex-r2 --set prep_warps=4 --set prep_warps=16
+    PYTHONPATH=. python benchmarks/tools/ab_config.py --shapes b32-t32k b1-t8k \
+        --systems readkv-flex-r2 --set num_warps=4 --set num_warps=8
 
-Each ``--set name=value[,name=value]`` is one variant: a reader built as the benchmark builds it,
-with those attributes overridden before planning (``pages_per_program`` and ``block_tokens`` go to
-``plan()`` instead, and ``v_run`` to the format: the same inputs encoded with that V layout). Median of graph
-replays (planekv.kernels.bench).
+Each ``--set name=value[,name=value]`` is one variant: a reader built as the benchmark builds it, with those
+ReaderConfig fields (``pages_per_program`` and ``block_tokens`` go to ``plan()`` instead, and ``v_run`` to the
+format: the same inputs encoded with that V layout). Median of graph replays (planekv.bench.timing).
 """
 
 from __future__ import annotations
@@ -16,8 +15,17 @@ import json
 
 import torch
 
-from planekv.kernels.bench import SHAPES, _check, _gen, _policy, _time_graphs, _timeline, apply_settings, parse_settings
-from planekv.kernels.reader import TritonReader
+from planekv.bench import (
+    SHAPES,
+    check_against_reference,
+    config_with,
+    parse_settings,
+    policy_of,
+    synthetic_step,
+    time_graphs,
+    timeline,
+)
+from planekv.kernels import TritonReader
 from planekv.kvstore.codebook import CODEBOOKS
 
 PLAN_ARGS = ("pages_per_program", "block_tokens")
@@ -33,17 +41,17 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="also each variant against the reference reader "
                     "(depth differences, output error; the first two sequences)")
     ap.add_argument("--codebook", default="gaussian-lloyd-tree", choices=CODEBOOKS,
-                    help="the format's codebook (the bit-product stages need a linear one)")
+                    help="the format's codebook (the int8 stages need a linear one)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        datas = {1: _gen(shape, dev, 0, None, codebook=args.codebook)}
+        datas = {1: synthetic_step(shape, dev, 0, None, codebook=args.codebook)}
         data = datas[1]
         q4 = data.q[:, :, None, :]
-        sdpa, _ = _time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
+        sdpa, _ = time_graphs([lambda q4=q4, d=data: torch.nn.functional.scaled_dot_product_attention(
             q4, d.k, d.v, enable_gqa=True)], args.reps)
         print(f"{name} sdpa {sdpa:.4f} ms")
         for system in args.systems:
@@ -51,22 +59,22 @@ def main() -> int:
                 var = parse_settings(spec)
                 vr = int(var.pop("v_run", 1))
                 if vr not in datas:
-                    datas[vr] = _gen(shape, dev, 0, None, codebook=args.codebook, v_run=vr)
+                    datas[vr] = synthetic_step(shape, dev, 0, None, codebook=args.codebook, v_run=vr)
                 data = datas[vr]
-                if system == "full4":
-                    reader = TritonReader(data.codec, fixed_depth=4)
-                else:
-                    pol = _policy(system, None)
-                    if pol is None:
-                        raise SystemExit(f"unknown system {system}")
-                    reader = TritonReader(data.codec, pol)
                 plan_kw = {k: var.pop(k) for k in PLAN_ARGS if k in var}
                 try:
-                    apply_settings(reader, var)
-                except ValueError as exc:
+                    config = config_with(var)
+                except (TypeError, ValueError) as exc:
                     raise SystemExit(str(exc)) from None
+                if system == "full4":
+                    reader = TritonReader(data.codec, fixed_depth=4, config=config)
+                else:
+                    pol = policy_of(system)
+                    if pol is None:
+                        raise SystemExit(f"unknown system {system}")
+                    reader = TritonReader(data.codec, pol, config=config)
                 plan = reader.plan(shape.batch, shape.tokens, dev, **plan_kw)
-                ms, graphs = _time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
+                ms, graphs = time_graphs([lambda r=reader, p=plan, d=data: r.run(p, d.q, d.cache.k_pool[0],
                                                                            d.cache.v_pool[0], d.page_table,
                                                                            d.lengths, 0)], args.reps)
                 row = {"shape": name, "system": system, "variant": spec, "codebook": args.codebook, "ms": ms,
@@ -79,11 +87,11 @@ def main() -> int:
                                          "cand_max": int(cm[:, 2].max())}
                     print("  alloc " + ", ".join(f"{k}={v}" for k, v in al.items()))
                 if args.check:
-                    row["check"] = chk = _check(reader, plan, data, data.codec)
+                    row["check"] = chk = check_against_reference(reader, plan, data, data.codec)
                     print("  check " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in chk.items()))
                 if args.timeline and graphs:
-                    row["timeline"] = tl = _timeline(graphs[0])
+                    row["timeline"] = tl = timeline(graphs[0])
                     print(f"  graph {tl['graph_us']} us, kernels {tl['kernel_sum_us']} us: " + ", ".join(
                         f"{k} {n:g}x {us:g}" for k, (n, us) in tl["kernels_us"].items()))
                 rows.append(row)

@@ -1,57 +1,44 @@
-"""Two-pass Value allocation: lambda from one histogram of the importances and one exact pass.
+"""The two-pass Value allocation: lambda from a sampled histogram of the importances and one exact pass.
 
-The Value keys of a group are ``imp_i x r_k`` (KS fixed step gains ``r_k`` per token), and lambda is
-the count-th largest of them (``_v_count``). The radix select in ``decode`` finds it with 8 passes
-of 4 bits. Here (docs/KERNEL_NOTES.md, runs 33-34):
+The default for steps of at least 2^19 (sequence, KV head, token) triples (``ReaderConfig.value_alloc``):
 
-  _value_hist (TWO_PASS)  grid (B*Hkv, NBLK)  importances, and an 8192-bin histogram of their top 13
-                                             bits per head (one atomic add per token)
-  _v_bracket              grid (groups,)     the heads' histograms summed, suffix sums; by bisection
-                                             the bracket (lo, hi] that surely holds lambda: bounds
-                                             on #{keys > x} at bin edges, a bin of margin below and
-                                             two above for the rounding of the float32 product
-  _v_cand                 grid (B*Hkv, NBLK) keys above hi counted, keys in (lo, hi] appended to the
-                                             group's candidate buffer (CAP keys)
-  _v_exact                grid (groups,)     lambda and the ties still to take, from the candidates,
-                                             written where the radix select leaves them; a group
-                                             whose candidates overflowed is flagged instead, and the
-                                             radix passes (GATED) run for it alone; where every
-                                             key at lambda is taken, lambda - 1 (none left to take),
-                                             so that the tie counts (_value_ties, TIE_GATE) are
-                                             needed only where some keys at lambda are not taken
+  _value_sample     grid (B*Hkv, spans)  1 in SAMPLE tokens' importances (runs of 8) counted in an 8192-bin
+                                         histogram of their top 13 bits per head
+  _v_bracket        grid (groups,)       the heads' histograms summed; by bisection the bracket (lo, hi]
+                                         that holds lambda, widened for the sample's error
+  _v_cand           grid (B*Hkv, NBLK)   every importance computed and stored; keys above hi counted, keys
+                                         in (lo, hi] appended to the group's candidates and counted in
+                                         CBINS bins over the bracket
+  _v_exact(_split)  grid (groups[, n])   lambda's bin, then lambda and the ties still to take from that bin's
+                                         candidates, written where the radix selection leaves them; a group
+                                         whose candidates overflowed or whose bracket missed is flagged, and
+                                         the radix passes (GATED) run for it alone
 
-With a sampled bracket (``TritonReader.hist_sample`` = S > 1) the first two steps change: the
-histogram counts 1 in S tokens (``_value_sample``: runs of 8 every 8 S positions), the bracket is
-widened for the sample's error and ``_v_cand`` computes and stores every importance itself (no
-per-token atomics anywhere); ``_v_exact`` checks that the bracket held lambda, and a group where it
-did not falls back to the radix passes like an overflowed one, so the result is exact either way.
-With ``TritonReader.exact_bins`` = N (the default, either bracket) ``_v_cand`` also counts the
-candidates in N bins over the bracket, and ``_v_exact`` bisects only among the candidates of lambda's
-bin (moved to the front of the buffer), so its cost hardly grows with the candidates.
-
-Downstream kernels (ties, compaction, Value stage) read lambda as before. The result is the radix
-select's: both rank the same float32 keys.
+Downstream kernels read lambda as after the radix allocation; both rank the same float32 keys, so the
+result is exact either way.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .decode import (
-    CMETA,
-    HSTRIDE,
-    IHBINS,
-    IHSHIFT,
-    NPASS,
-    SELBASE,
-    _block_prog,
-    _importance,
-    _load_scalar,
-    _steps_above,
-    _v_count,
-)
+from .common import _block_prog, _load_scalar, next_pow2
+from .plan import Step
+from .radix import HSTRIDE, NPASS, SELBASE
+from .value_alloc import CMETA, _importance, _steps_above, _v_count
 
+# two-pass Value allocation (planekv.kernels.alloc2): per head an 8192-bin histogram of the
+# importances' top 13 bits (exponent and 5 mantissa bits), per group their summed suffix sums; 8 words
+# of state
+IHSHIFT = tl.constexpr(18)
+
+
+IHBINS = tl.constexpr(8192)
+
+
+IH_BINS = 8192
 
 @triton.jit
 def _first_below(above_ptr, count, r, kok, MARGIN: tl.constexpr):
@@ -79,16 +66,16 @@ def _first_below(above_ptr, count, r, kok, MARGIN: tl.constexpr):
 @triton.jit
 def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, HKV: tl.constexpr,
                HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-               KS: tl.constexpr, KS_PAD: tl.constexpr, SAMPLE: tl.constexpr = 1, SLACK=0.0, ZS=0.0,
-               CBINS: tl.constexpr = 0, cbins_ptr=None):
-    """One program per group: (lo, hi] with #{keys > hi} < count <= #{keys > lo} for sure, so lambda
-    lies in it; the candidate and above-hi counters start at zero. SAMPLE > 1 (the histograms hold 1
-    in SAMPLE tokens, :func:`_value_sample`): the counts are estimates, SAMPLE x the sample's, so the
-    bracket is widened on each side by SLACK x count + ZS x sqrt(8 SAMPLE count) + 8 SAMPLE keys (ZS
-    standard deviations of the estimate when runs of 8 tokens are sampled whole and each run holds at
-    most 8 of the keys above: Var <= 8 SAMPLE count), and it may still miss (the exact pass checks,
-    :func:`_v_exact`). CBINS > 0: the candidates' histogram (:func:`_v_cand`) starts at zero, and
-    cmeta word 6 holds its bins' width, 2^shift keys, the smallest that spans (lo, hi] in CBINS bins."""
+               KS: tl.constexpr, KS_PAD: tl.constexpr, SAMPLE: tl.constexpr, SLACK, ZS, CBINS: tl.constexpr,
+               cbins_ptr):
+    """One program per group: (lo, hi] with #{keys > hi} < count <= #{keys > lo}, so that lambda lies in
+    it; the candidate and above-hi counters start at zero. The histograms hold 1 in SAMPLE tokens
+    (:func:`_value_sample`), so the counts are estimates, SAMPLE x the sample's, and the bracket is
+    widened on each side by SLACK x count + ZS x sqrt(8 SAMPLE count) + 8 SAMPLE keys (ZS standard
+    deviations of the estimate when runs of 8 tokens are sampled whole and each run holds at most 8 of
+    the keys above: Var <= 8 SAMPLE count); it may still miss (the exact pass checks, :func:`_v_exact`).
+    The candidates' histogram (:func:`_v_cand`) starts at zero, and cmeta word 6 holds its bins' width,
+    2^shift keys, the smallest that spans (lo, hi] in CBINS bins."""
     grp = tl.program_id(0)
     b = grp // (HKV // HG)
     T = _load_scalar(len_ptr + b)
@@ -104,14 +91,11 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
     kk = tl.arange(0, KS_PAD)
     kok = kk < KS
     r = tl.load(r_ptr + kk, mask=kok, other=1.0)
-    if SAMPLE > 1:  # sample counts: hi where SAMPLE x B(x) < count - slack, lo where it reaches count + slack
-        cf = count.to(tl.float32)
-        slack = (cf * SLACK + ZS * tl.sqrt(8.0 * SAMPLE * cf)).to(tl.int32) + 8 * SAMPLE
-        c_hi = tl.maximum(count - slack, 0) // SAMPLE  # 0: no x qualifies, hi = +inf (nothing above)
-        c_lo = (count + slack + SAMPLE - 1) // SAMPLE
-    else:
-        c_hi = count
-        c_lo = count
+    # sample counts: hi where SAMPLE x B(x) < count - slack, lo where it reaches count + slack
+    cf = count.to(tl.float32)
+    slack = (cf * SLACK + ZS * tl.sqrt(8.0 * SAMPLE * cf)).to(tl.int32) + 8 * SAMPLE
+    c_hi = tl.maximum(count - slack, 0) // SAMPLE  # 0: no x qualifies, hi = +inf (nothing above)
+    c_lo = (count + slack + SAMPLE - 1) // SAMPLE
     # hi: the smallest x whose upper bound (a bin of margin below) is under count
     hi = _first_below(above_ptr, c_hi, r, kok, -1)
     # lo: the largest x whose lower bound (two bins of margin above) still reaches count; -1 when even
@@ -119,12 +103,11 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
     lo = _first_below(above_ptr, c_lo, r, kok, 2) - 1
     lo = tl.minimum(lo, hi)  # (already so unless SLACK < 0; an empty bracket misses, see _v_exact)
     shift = count * 0
-    if CBINS > 0:
-        span1 = hi - lo - 1  # the bracket's keys are lo + 1 + [0, span1]
-        for k in tl.static_range(31):  # the smallest shift with span1 >> shift < CBINS
-            shift += ((span1 >> k) >= CBINS).to(tl.int32)
-        zb = tl.arange(0, CBINS)
-        tl.store(cbins_ptr + grp * CBINS + zb, tl.zeros([CBINS], tl.int32))
+    span1 = hi - lo - 1  # the bracket's keys are lo + 1 + [0, span1]
+    for k in tl.static_range(31):  # the smallest shift with span1 >> shift < CBINS
+        shift += ((span1 >> k) >= CBINS).to(tl.int32)
+    zb = tl.arange(0, CBINS)
+    tl.store(cbins_ptr + grp * CBINS + zb, tl.zeros([CBINS], tl.int32))
     cc = tl.arange(0, CMETA)
     vals = tl.where(cc == 0, lo, tl.where(cc == 1, hi, tl.where(cc == 6, shift, 0)))
     tl.store(cmeta_ptr + grp * CMETA + cc, vals)
@@ -133,14 +116,12 @@ def _v_bracket(ihist_ptr, len_ptr, r_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RAT
 @triton.jit
 def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FIXED, CAP, USE_RATE: tl.constexpr,
             HKV: tl.constexpr, HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLK: tl.constexpr,
-            KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-            FROM_LOGITS: tl.constexpr = False, logit_ptr=None, mstat_ptr=None, sstat_ptr=None, hw_ptr=None, NSK=1,
-            HQ: tl.constexpr = 1, G: tl.constexpr = 1, G2: tl.constexpr = 1, NSK_PAD: tl.constexpr = 1,
-            HEAD_WEIGHT: tl.constexpr = False, CBINS: tl.constexpr = 0, cbins_ptr=None):
-    """Program (b*Hkv + h, block): keys above hi counted, keys in (lo, hi] appended (up to CAP) and,
-    with CBINS, counted in the group's histogram of CBINS bins over (lo, hi] (for :func:`_v_exact`).
-    FROM_LOGITS (the sampled bracket, whose histogram pass did not write them): the block's
-    importances computed here from the logits and stored first, as :func:`_value_hist` stores them.
+            KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr, logit_ptr,
+            mstat_ptr, sstat_ptr, hw_ptr, NSK, HQ: tl.constexpr, G: tl.constexpr, G2: tl.constexpr,
+            NSK_PAD: tl.constexpr, HEAD_WEIGHT: tl.constexpr, CBINS: tl.constexpr, cbins_ptr):
+    """Program (b*Hkv + h, block): the block's importances computed from the logits and stored (the
+    sampled histogram pass did not write them), keys above hi counted, keys in (lo, hi] appended (up to
+    CAP) and counted in the group's histogram of CBINS bins over (lo, hi] (for :func:`_v_exact`).
 
     A token's keys do not increase with the step (``_steps_above``), so its candidates are the
     steps n_hi .. n_lo - 1: everything is per token (KS products each, one prefix sum over the
@@ -150,18 +131,14 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
     if blk * BLK < T:
         pos = blk * BLK + tl.arange(0, BLK)
         valid = pos < T
-        if FROM_LOGITS:
-            bimp = _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ, HKV, G, G2,
-                               NSK_PAD, HEAD_WEIGHT)
-            tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=valid)
-        else:
-            bimp = tl.load(vimp_ptr + pid_bh * TMAX + pos, mask=valid, other=0.0)
+        bimp = _importance(logit_ptr, mstat_ptr, sstat_ptr, hw_ptr, pid_bh, pos, T, TMAX, NSK, HQ, HKV, G, G2,
+                           NSK_PAD, HEAD_WEIGHT)
+        tl.store(vimp_ptr + pid_bh * TMAX + pos, bimp, mask=valid)
         if count > 0:
             meta = cmeta_ptr + grp * CMETA
             lo = _load_scalar(meta)
             hi = _load_scalar(meta + 1)
-            if CBINS > 0:
-                shift = _load_scalar(meta + 6)  # the candidates' bins are 2^shift keys wide
+            shift = _load_scalar(meta + 6)  # the candidates' bins are 2^shift keys wide
             n_hi, n_lo = _steps_above(bimp, r_ptr, hi, lo, KS)
             n_hi = tl.where(valid, n_hi, 0)
             nc = tl.where(valid, n_lo, 0) - n_hi  # this token's candidates
@@ -178,10 +155,9 @@ def _v_cand(vimp_ptr, len_ptr, r_ptr, cmeta_ptr, cand_ptr, TMAX, RATE, BK, BV_FI
                         kj = tl.minimum(n_hi + j, KS - 1)
                         key = (bimp * tl.load(r_ptr + kj)).to(tl.int32, bitcast=True)
                         tl.store(cand_ptr + grp * CAP + slot + j, key, mask=(j < nc) & (slot + j < CAP))
-                        if CBINS > 0:
-                            cb = (key - lo - 1) >> shift
-                            tl.atomic_add(cbins_ptr + grp * CBINS + cb, tl.full(cb.shape, 1, tl.int32), mask=j < nc,
-                                          sem="relaxed")
+                        cb = (key - lo - 1) >> shift
+                        tl.atomic_add(cbins_ptr + grp * CBINS + cb, tl.full(cb.shape, 1, tl.int32), mask=j < nc,
+                                      sem="relaxed")
 
 
 @triton.jit
@@ -273,17 +249,15 @@ def _store_lambda(hbase, meta, lam, left, n_eq):
 @triton.jit
 def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RATE: tl.constexpr, HKV: tl.constexpr,
              HG: tl.constexpr, D: tl.constexpr, W: tl.constexpr, MIN_V: tl.constexpr, PACKET: tl.constexpr,
-             KS: tl.constexpr, CAP: tl.constexpr, CBINS: tl.constexpr = 0, cbins_ptr=None,
-             SMALL: tl.constexpr = 4096):
+             KS: tl.constexpr, CAP: tl.constexpr, CBINS: tl.constexpr, cbins_ptr, SMALL: tl.constexpr = 4096):
     """One program per group: lambda = the largest x with #{keys >= x} >= count, found among the
     candidates (the keys above hi are all taken), and the keys at lambda still to take; stored where
-    the radix select stores them. Overflowed candidates, or a bracket that missed lambda (a sampled
-    one: #{keys > hi} >= count or #{keys > lo} < count), raise the group's fall-back flag instead.
-    CBINS > 0: lambda's bin first, from the candidates' histogram (:func:`_v_cand`); that bin's
-    candidates moved to the front of the buffer in one pass; the bisection then runs over them and
-    the bin's range only (a few dependent counts over a few keys, instead of one count over every
-    candidate for each of the bracket's bits), with the keys in registers when they are at most
-    SMALL."""
+    the radix selection stores them. Overflowed candidates, or a bracket that missed lambda
+    (#{keys > hi} >= count or #{keys > lo} < count), raise the group's fall-back flag instead.
+    Lambda's bin first, from the candidates' histogram (:func:`_v_cand`); that bin's candidates moved to
+    the front of the buffer in one pass; the bisection then runs over them and the bin's range only (a
+    few dependent counts over a few keys, instead of one count over every candidate for each of the
+    bracket's bits), with the keys in registers when they are at most SMALL."""
     grp = tl.program_id(0)
     meta, count, n_cand, need, held = _exact_start(grp, len_ptr, cmeta_ptr, RATE, BK, BV_FIXED, USE_RATE, HKV, HG, D,
                                                    W, MIN_V, PACKET, KS, CAP, True)
@@ -293,26 +267,21 @@ def _v_exact(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, RATE, BK, BV_FIXED, USE_RAT
         CH: tl.constexpr = min(CAP, 4096)
         cc = tl.arange(0, CH)
         cbase = cand_ptr + grp * CAP
-        a = _load_scalar(meta) + 1  # lambda in [lo + 1, hi]
-        z = _load_scalar(meta + 1)
-        if CBINS > 0:  # the bisection then counts cbase[0, n_scan) and takes need_s of them
-            a, z, need_s = _exact_bin(meta, cbins_ptr + grp * CBINS, need, CBINS)
-            # the bin's candidates to the front, in place: a chunk's keys are all loaded (its prefix sum
-            # waits for every lane) before any lane stores, and only below the chunk's end
-            n_scan = n_cand * 0
-            for c0 in range(0, n_cand, CH):
-                keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
-                inb = ((keys >= a) & (keys <= z)).to(tl.int32)  # (a >= 0: the masked -1 is out)
-                tl.store(cbase + n_scan + tl.cumsum(inb, 0) - inb, keys, mask=inb > 0)
-                n_scan += tl.sum(inb, 0)
-            tl.debug_barrier()  # the moved keys visible to every lane
-            if n_scan <= SMALL:  # the bin's keys in registers, loaded once
-                lam, n_gt, n_eq = _bisect_regs(cbase, n_scan, a, z, need_s, SMALL)
-            else:
-                lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
+        # lambda in [lo + 1, hi]: its bin's range [a, z]; the bisection counts cbase[0, n_scan) and takes need_s of them
+        a, z, need_s = _exact_bin(meta, cbins_ptr + grp * CBINS, need, CBINS)
+        # the bin's candidates to the front, in place: a chunk's keys are all loaded (its prefix sum
+        # waits for every lane) before any lane stores, and only below the chunk's end
+        n_scan = n_cand * 0
+        for c0 in range(0, n_cand, CH):
+            keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)
+            inb = ((keys >= a) & (keys <= z)).to(tl.int32)  # (a >= 0: the masked -1 is out)
+            tl.store(cbase + n_scan + tl.cumsum(inb, 0) - inb, keys, mask=inb > 0)
+            n_scan += tl.sum(inb, 0)
+        tl.debug_barrier()  # the moved keys visible to every lane
+        if n_scan <= SMALL:  # the bin's keys in registers, loaded once
+            lam, n_gt, n_eq = _bisect_regs(cbase, n_scan, a, z, need_s, SMALL)
         else:
-            need_s = need
-            lam, n_gt, n_eq = _bisect_chunks(cbase, n_cand, a, z, need, CH)
+            lam, n_gt, n_eq = _bisect_chunks(cbase, n_scan, a, z, need_s, CH)
         _store_lambda(hist_ptr + grp * HSTRIDE, meta, lam, need_s - n_gt, n_eq)
 
 
@@ -378,3 +347,41 @@ def _value_sample(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, hw_ptr, ihist_ptr, T
         dig = bimp.to(tl.int32, bitcast=True) >> IHSHIFT
         tl.atomic_add(ihist_ptr + (grp * (HG + 1) + hl) * IHBINS + dig, tl.full(dig.shape, 1, tl.int32),
                       mask=pos < T, sem="relaxed")
+
+
+EXACT_BINS = 4096  # bins of the candidates' histogram over the bracket (the exact pass bisects in one bin)
+BRACKET_WARPS = (4, 8)  # warps of _v_bracket: one KV head per group, several (their histograms summed)
+EXACT_WARPS = 8  # warps of _v_exact (one program per group)
+EXACT_SPLIT_WARPS = 4  # warps of _v_exact_split
+SAMPLE_WARPS = 4  # warps of _value_sample
+SAMPLE_SPAN = 8  # Value blocks per _value_sample program (they share the softmax statistics' loads)
+
+
+def launch(st: Step, lengths: torch.Tensor) -> None:
+    """The sampled histogram, the bracket, the candidates (and every importance) and the exact pass: lambda
+    and the ties to take stored for each group whose bracket held, the fall-back flag set for the others."""
+    k, pl, c, ch = st.k, st.plan, st.c, st.ch
+    b, nblk, blk, nsk = pl.batch, pl.n_blocks, ch.block_tokens, pl.n_splits
+    imp = dict(HQ=k.hq, G=k.g, G2=st.g2, NSK_PAD=st.nsk_pad, HEAD_WEIGHT=k.head_weight)
+    span = min(SAMPLE_SPAN, next_pow2(nblk))
+    _value_sample[(b * k.hk, -(-nblk // span))](pl.logits, pl.mstat, pl.sstat, lengths, c["hw"][st.layer], pl.ihist,
+                                                pl.max_tokens, nsk, HKV=k.hk, HG=k.hg, TOK=span * blk,
+                                                SAMPLE=ch.sample, **imp, num_warps=SAMPLE_WARPS)
+    sel = dict(USE_RATE=k.use_rate, HKV=k.hk, HG=k.hg, D=k.d, W=k.w, MIN_V=k.min_v, PACKET=k.packet, KS=k.ks_v)
+    cap, nb = pl.cand.shape[1], pl.cbins.shape[1]
+    rate, bk, bv_fixed = st.budget_args()
+    _v_bracket[(st.groups,)](pl.ihist, lengths, c["rv"], pl.cmeta, rate, bk, bv_fixed, KS_PAD=k.kspad_v,
+                             SAMPLE=ch.sample, SLACK=float(st.sample_slack), ZS=float(st.sample_z), CBINS=nb,
+                             cbins_ptr=pl.cbins, **sel, num_warps=BRACKET_WARPS[k.hg > 1])
+    _v_cand[(b * k.hk, nblk)](pl.vimp, lengths, c["rv"], pl.cmeta, pl.cand, pl.max_tokens, rate, bk, bv_fixed, cap,
+                              BLK=blk, KS_PAD=k.kspad_v, **sel, logit_ptr=pl.logits, mstat_ptr=pl.mstat,
+                              sstat_ptr=pl.sstat, hw_ptr=c["hw"][st.layer], NSK=nsk, **imp, CBINS=nb,
+                              cbins_ptr=pl.cbins, num_warps=ch.alloc_warps)
+    if ch.exact_chunk:  # the scan over the candidates split over programs
+        _v_exact_split[(st.groups, cap // ch.exact_chunk)](pl.hist, lengths, pl.cmeta, pl.cand, pl.cbins, pl.ckeep,
+                                                          rate, bk, bv_fixed, CAP=cap, CBINS=nb, CH=ch.exact_chunk,
+                                                          KEEP=pl.ckeep.shape[1], **sel,
+                                                          num_warps=EXACT_SPLIT_WARPS)
+    else:
+        _v_exact[(st.groups,)](pl.hist, lengths, pl.cmeta, pl.cand, rate, bk, bv_fixed, CAP=cap, **sel, CBINS=nb,
+                               cbins_ptr=pl.cbins, num_warps=EXACT_WARPS)
