@@ -20,9 +20,7 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -39,6 +37,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..kvstore import Calibration, FormatSpec
+from ..kvstore.atomic import atomic_write_bytes
 from ..kvstore.errors import CalibrationError
 from ..kvstore.format import LAYOUT_VERSION
 from ..settings import Settings, load_settings
@@ -427,26 +426,6 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
@@ -616,7 +595,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                      f"{existing[:16]}..., this upload {sha[:16]}...); calibrations are immutable")
         path = _calib_path(cid, sha)
         # Data first (temp file, fsync, rename), metadata last: a failure leaves nothing visible.
-        await run_in_threadpool(_write_atomic, path, blob)
+        await run_in_threadpool(atomic_write_bytes, path, blob)
         fields = {"artifact_version": CALIBRATION_VERSION, "bytes": len(blob), "file": path.name,
                   "n_layers": calib.n_layers, "n_kv_heads": calib.n_kv_heads, "head_dim": calib.head_dim,
                   "seed_k": calib.seed_k, "seed_v": calib.seed_v, "source": source,
