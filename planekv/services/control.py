@@ -954,7 +954,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the control plane in the foreground until SIGINT/SIGTERM."""
-    from .cli import control_settings
+    from .arguments import control_settings
 
     settings = control_settings(args)
     logging.getLogger().setLevel(settings.log_level)
@@ -964,7 +964,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import add_control_arguments
+    from .arguments import add_control_arguments
 
     p = argparse.ArgumentParser(prog="python -m planekv.services.control", description=__doc__.splitlines()[0])
     add_control_arguments(p)

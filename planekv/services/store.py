@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from ..settings import Settings, load_settings
 from ..tiering import MEMORY, BlockCorrupt, BlockKey, BlockStore, Lease, PosixFileTier
 from ..tiering.frame import KEY_PATTERN
+from .arguments import add_store_arguments, store_settings
 from .common import (
     METRICS_RESPONSES,
     RequestMetrics,
@@ -345,8 +346,6 @@ def _json(model: BaseModel, status: int) -> Response:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the store in the foreground until SIGINT/SIGTERM (then persist and withdraw its index)."""
-    from .cli import store_settings
-
     settings = store_settings(args)
     logging.getLogger().setLevel(settings.log_level)
     run_uvicorn(create_app(settings), settings.store.host, settings.store.port, settings.log_level, args.access_log)
@@ -354,8 +353,6 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import add_store_arguments
-
     p = argparse.ArgumentParser(prog="python -m planekv.services.store", description=__doc__.splitlines()[0])
     add_store_arguments(p)
     args = p.parse_args(argv)
