@@ -32,12 +32,12 @@ async def healthz(ctx: Context) -> Response:
 
 
 @probes.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
-async def metrics(ctx: Context, prom: Metrics) -> Response:
+async def metrics(ctx: Context, prometheus: Metrics) -> Response:
     try:
-        await prom.refresh(ctx.redis)
+        await prometheus.refresh(ctx.redis)
     except Exception as exc:  # metrics must still answer while Redis is down
         log.warning("metrics: redis gauges not refreshed: %s", exc)
-    return metrics_response(prom.registry)
+    return metrics_response(prometheus.registry)
 
 
 @router.get("/stats", response_model=Stats, responses=error_responses(503))
