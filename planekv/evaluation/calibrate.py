@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..kvstore import Calibration, CalibrationBuilder, FormatSpec
+from .jobs import job_main, resolve_device
 from .texts import CALIBRATION_TEXT, tokenize_text, windows
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ def register_with_control_plane(calibration: Calibration, url: str | None, token
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .common import job_main
-
     return job_main("planekv.evaluation.calibrate", __doc__, add_arguments, run, argv)
 
 
@@ -90,7 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..models.hf import load_model
-    from .common import resolve_device
 
     lm = load_model(args.model, device=resolve_device(args.device))
     calib = calibrate_model(lm.model, lm.tokenizer, args.text, args.max_tokens, args.window, lm.model_id)

@@ -1,18 +1,16 @@
-"""Shared pieces of the evaluation jobs: devices, the compared systems, the frozen K/V split,
-progress and the model/calibration setup."""
+"""Shared pieces of the evaluation jobs: the compared systems, the frozen K/V split and the
+model/calibration setup (devices, progress and the job entry point are in ``jobs``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -20,9 +18,9 @@ from ..kvstore import Calibration, Codec, ReadPolicy
 from ..kvstore.baselines import KVSystem
 from ..kvstore.policy import PLANEKV_KEY_REFINE
 from ..kvstore.reference import ReadKV, make_system
+from .jobs import resolve_device
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Every row of DESIGN section 7 (fixed-bit baselines at the bits matching R).
 ALL_SYSTEMS = ("dense", "readkv-flexible", "readkv-constrained", "full-reader", "turboquant", "kivi", "sparq",
@@ -46,27 +44,6 @@ FLEXIBLE = ("readkv-flexible", *VARIANTS)
 RATES = (4.0, 2.0)
 RATE_FREE = ("dense", "fp8")  # their read does not depend on R: one row each
 K_SHARE_FILE = "k_share.json"
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def hardware() -> str:
-    """One line naming the machine the numbers came from."""
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} (CUDA), torch {torch.__version__}"
-    cpu = "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} (CPU)"
 
 
 # ---- the frozen K/V split of the flexible reader -----------------------------------------------
@@ -186,40 +163,3 @@ def setup(model: str | None, calibration: str | os.PathLike[str] | None, device:
             log.info("calibration %s saved to %s", calib.calibration_id, p)
     spec = format_spec(lm.model, calib, lm.model_id, lm.revision, codebook=codebook)
     return Setup(lm, calib, Codec(spec, calib), dev)
-
-
-# ---- progress --------------------------------------------------------------------------------------
-
-
-def show_progress() -> bool:
-    """Progress bars on a terminal, never in CI."""
-    return sys.stderr.isatty() and not os.environ.get("CI")
-
-
-def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
-    """tqdm on a terminal; otherwise log every item at INFO."""
-    if show_progress():
-        from tqdm.auto import tqdm
-
-        yield from tqdm(items, total=total, desc=desc, leave=False)
-        return
-    for i, x in enumerate(items):
-        log.info("%s %d/%s", desc, i + 1, total if total is not None else "?")
-        yield x
-
-
-def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(obj, indent=2, default=str))
-    return p
-
-
-def job_main(module: str, doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
-             run: Callable[[argparse.Namespace], int], argv: Sequence[str] | None = None) -> int:
-    """``python -m planekv.evaluation.<job>`` (also what a Ray job entrypoint runs): parse, log, run."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)

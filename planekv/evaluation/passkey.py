@@ -31,10 +31,9 @@ from .common import (
     SystemRow,
     build_system,
     label,
-    progress,
     system_rows,
-    write_json,
 )
+from .jobs import job_main, progress, write_json
 from .perplexity import add_setup_arguments, parse_k_share
 from .texts import FILLER_TEXT, tokenize_text
 
@@ -278,8 +277,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .common import job_main
-
     return job_main("planekv.evaluation.passkey", __doc__, add_arguments, run, argv)
 
 

@@ -28,10 +28,9 @@ from .common import (
     SystemRow,
     build_system,
     label,
-    progress,
     system_rows,
-    write_json,
 )
+from .jobs import job_main, progress, write_json
 from .texts import TEST_TEXTS, tokenize_text, windows
 
 log = logging.getLogger(__name__)
@@ -160,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .common import job_main
-
     return job_main("planekv.evaluation.perplexity", __doc__, add_arguments, run, argv)
 
 

@@ -17,7 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .common import FLEXIBLE, RATES, Setup, SystemRow, k_share_path, write_json
+from .common import FLEXIBLE, RATES, Setup, SystemRow, k_share_path
+from .jobs import job_main, write_json
 from .perplexity import add_setup_arguments, evaluate_rows
 from .texts import DEV_TEXT
 
@@ -84,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .common import job_main
-
     return job_main("planekv.evaluation.split_search", __doc__, add_arguments, run, argv)
 
 

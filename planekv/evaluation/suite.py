@@ -17,7 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, VARIANTS, hardware, setup, system_rows, write_json
+from .common import ALL_SYSTEMS, RATES, VARIANTS, setup, system_rows
+from .jobs import hardware, job_main, write_json
 from .passkey import parse_plan, run_passkey
 from .perplexity import add_setup_arguments, parse_k_share, run_perplexity
 from .report import write_report
@@ -158,8 +159,6 @@ def _has_rows(path: Path, rows: Sequence) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .common import job_main
-
     return job_main("planekv.evaluation.suite", __doc__, add_arguments, run, argv)
 
 

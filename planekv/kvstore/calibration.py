@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .atomic import atomic_write
 from .errors import CalibrationError
 from .transform import HadamardSign
 
@@ -82,9 +83,7 @@ class Calibration:
     # ---- artifact ----
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the artifact atomically (temp file, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the artifact atomically (temp file, then rename; not fsynced: see planekv.kvstore.atomic)."""
         payload = {
             "format": "planekv-calibration",
             "version": CALIBRATION_VERSION,
@@ -94,18 +93,10 @@ class Calibration:
             "meta_json": json.dumps(self.meta, sort_keys=True),
             **{name: getattr(self, name) for name in _TENSORS},
         }
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calib-")
-        try:
-            # Saved through a file object: torch names the archive's records after a *path*'s stem (a
-            # random temp name here, so the bytes would differ per save; a bare ".calib-x" is even
-            # rejected), but "archive" for a file object, so equal statistics give equal bytes.
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        # Saved through a file object: torch names the archive's records after a *path*'s stem (a
+        # random temp name here, so the bytes would differ per save; a bare ".calib-x" is even
+        # rejected), but "archive" for a file object, so equal statistics give equal bytes.
+        return atomic_write(path, lambda f: torch.save(payload, f), fsync=False, tmp_prefix=".calib-")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:

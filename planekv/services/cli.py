@@ -1,71 +1,21 @@
 """`planekv control` and `planekv store`: run a service in the foreground (uvicorn, one process).
 
-Argument parsing lives here, free of web-framework imports, so `planekv --help` stays fast; the
-services are imported only when one is run. Without the `services` extra the subcommands are left
-out (the CLI skips modules whose import fails).
+The flags live in :mod:`planekv.services.arguments`, free of web-framework imports, so `planekv
+--help` stays fast; a service is imported only when it is run. Without the `services` extra the
+subcommands are left out (the CLI skips modules whose import fails).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-from pathlib import Path
-from typing import Any
 
-from ..settings import Settings, load_settings
+from .arguments import add_control_arguments, add_store_arguments
 
 _MISSING = [m for m in ("fastapi", "uvicorn", "redis", "prometheus_client") if importlib.util.find_spec(m) is None]
 if _MISSING:
     raise ImportError(f"the services extra is not installed (missing {', '.join(_MISSING)}): "
                       "pip install 'planekv[services]'")
-
-
-def add_common_arguments(p: argparse.ArgumentParser, what: str, port: int) -> None:
-    p.add_argument("--host", help=f"bind address (default: settings {what}.host, 127.0.0.1)")
-    p.add_argument("--port", type=int, help=f"port (default: settings {what}.port, {port})")
-    p.add_argument("--data-dir", type=Path, help="PlaneKV data dir (default: settings data_dir, ~/.planekv)")
-    p.add_argument("--redis-url", help="Redis URL (default: settings redis_url, redis://127.0.0.1:6379/0)")
-    p.add_argument("--access-log", action="store_true", help="log every request")
-
-
-def add_store_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, "store", 8090)
-    p.add_argument("--spill-dir", type=Path, help="file tier directory (default: DATA_DIR/store-PORT)")
-    p.add_argument("--memory-bytes", type=int, help="memory tier capacity in bytes (default 2 GiB)")
-    p.add_argument("--file-bytes", type=int, help="file tier capacity in bytes (default 32 GiB; 0 = no file tier)")
-    p.add_argument("--write-through", action="store_true", default=None,
-                   help="put every block on the file tier before the PUT answers")
-    p.add_argument("--no-redis-index", action="store_true", help="do not publish the block index to Redis")
-
-
-def add_control_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, "control", 8080)
-
-
-def _settings(args: argparse.Namespace, section: str, fields: tuple[str, ...],
-              extra: dict[str, Any] | None = None) -> Settings:
-    """Settings (defaults < YAML < env) with the flags that were given on top."""
-    base = load_settings()
-    sect = {**getattr(base, section).model_dump(), **(extra or {})}
-    for name in fields:
-        val = getattr(args, name, None)
-        if val is not None:
-            sect[name] = val
-    over: dict[str, Any] = {section: sect}
-    if args.data_dir is not None:
-        over["data_dir"] = args.data_dir
-    if args.redis_url is not None:
-        over["redis_url"] = args.redis_url
-    return load_settings(**over)
-
-
-def store_settings(args: argparse.Namespace) -> Settings:
-    return _settings(args, "store", ("host", "port", "spill_dir", "memory_bytes", "file_bytes", "write_through"),
-                     {"redis_index": False} if args.no_redis_index else None)
-
-
-def control_settings(args: argparse.Namespace) -> Settings:
-    return _settings(args, "control", ("host", "port"))
 
 
 def _control(args: argparse.Namespace) -> int:

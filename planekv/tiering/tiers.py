@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ..kvstore.atomic import atomic_write_bytes
 from .errors import BlockCorrupt, BlockError
 from .frame import HEADER_BYTES, BlockKey, FrameHeader, decode_header
 
@@ -128,23 +128,7 @@ class PosixFileTier:
         return self.root / key.format_id / key.sequence_id / f"{name}.blk"
 
     def write(self, key: BlockKey, frame: bytes) -> None:
-        path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=self.TMP_PREFIX)
-        try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                view = memoryview(frame)
-                while view:
-                    view = view[f.write(view):]
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if self.fsync:
-            _fsync_dir(path.parent)
+        atomic_write_bytes(self.path(key), frame, fsync=self.fsync, tmp_prefix=self.TMP_PREFIX)
 
     def open(self, key: BlockKey) -> BlockReader:
         fd = os.open(self.path(key), os.O_RDONLY)
@@ -180,10 +164,3 @@ class PosixFileTier:
                     continue
                 yield ScannedBlock(hdr.key, hdr, st.st_size, st.st_mtime)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

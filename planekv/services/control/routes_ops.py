@@ -1,0 +1,57 @@
+"""Operations: ``/healthz`` and ``/metrics`` (no token: for probes and scrapers) and ``/v1/stats``
+(what is registered, the stores and the bytes per tier)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from .. import index as ix
+from ..common import METRICS_RESPONSES, error_responses, metrics_response
+from .context import Context, Metrics
+from .schemas import Health, Stats, TierTotals
+
+log = logging.getLogger(__name__)
+
+probes = APIRouter(tags=["ops"])  # included without the bearer token
+router = APIRouter(prefix="/v1", tags=["ops"])
+
+
+@probes.get("/healthz", response_model=Health,
+            responses={503: {"model": Health, "description": "Redis unreachable"}})
+async def healthz(ctx: Context) -> Response:
+    try:
+        await ctx.redis.ping()
+    except Exception as exc:
+        return Response(Health(status="degraded", redis=str(exc)).model_dump_json(), 503,
+                        media_type="application/json")
+    return Response(Health(status="ok", redis="ok").model_dump_json(), media_type="application/json")
+
+
+@probes.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
+async def metrics(ctx: Context, prometheus: Metrics) -> Response:
+    try:
+        await prometheus.refresh(ctx.redis)
+    except Exception as exc:  # metrics must still answer while Redis is down
+        log.warning("metrics: redis gauges not refreshed: %s", exc)
+    return metrics_response(prometheus.registry)
+
+
+@router.get("/stats", response_model=Stats, responses=error_responses(503))
+async def stats(ctx: Context) -> Stats:
+    p = ctx.redis.pipeline(transaction=False)
+    for key in (ix.K_FORMATS, ix.K_CALIBRATIONS, ix.K_POLICIES, ix.K_CACHES):
+        p.zcard(key)
+    p.hgetall(ix.K_STORES)
+    p.hgetall(ix.K_TIERSTATS)
+    nf, nc, np_, ncache, stores, tiers = await p.execute()
+    tt: dict[str, dict[str, int]] = {}
+    for k, v in tiers.items():
+        tier, what = k.rsplit(":", 1)
+        tt.setdefault(tier, {"blocks": 0, "bytes": 0})[what] = int(v)
+    return Stats(formats=nf, calibrations=nc, policies=np_, caches=ncache,
+                 stores={k: json.loads(v) for k, v in stores.items()},
+                 tiers={t: TierTotals(**v) for t, v in tt.items()})

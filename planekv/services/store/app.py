@@ -1,0 +1,110 @@
+"""The store service's ASGI app, put together: the block store built (and its index rebuilt from
+the spill directory) in the lifespan, the block routes behind the bearer token, request metrics;
+``serve`` runs it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+
+from ...settings import Settings, load_settings
+from ...tiering import BlockStore, PosixFileTier
+from ..arguments import add_store_arguments, store_settings
+from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, new_registry, run_uvicorn
+from . import routes
+from .context import StoreContext
+from .metrics import StoreCollector
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = "The store service: an HTTP face over :class:`planekv.tiering.BlockStore` (DESIGN section 6)."
+
+
+def spill_dir(settings: Settings) -> Path:
+    return settings.store.spill_dir or settings.data_dir / f"store-{settings.store.port}"
+
+
+def store_id_of(settings: Settings) -> str:
+    """The store's name in the block index: settings.store.store_id, else host:port."""
+    return settings.store.store_id or f"{settings.store.host}:{settings.store.port}"
+
+
+def build_store(settings: Settings) -> tuple[BlockStore, Any]:
+    """The block store the service serves (rebuilding its index from the spill directory) and the
+    Redis block index it publishes to (None if disabled)."""
+    cfg = settings.store
+    index = None
+    if cfg.redis_index:
+        from redis.exceptions import RedisError
+
+        from ..index import RedisBlockIndex
+
+        try:
+            index = RedisBlockIndex.connect(settings.redis_url, store_id_of(settings), {
+                "url": cfg.url, "memory_bytes": cfg.memory_bytes, "file_bytes": cfg.file_bytes})
+        except RedisError as exc:
+            raise SystemExit(f"the store could not reach Redis at {settings.redis_url} ({exc}); start "
+                             "redis-server, set PLANEKV_REDIS_URL, or run without the index: "
+                             "PLANEKV_STORE__REDIS_INDEX=false") from None
+    file_tier = PosixFileTier(spill_dir(settings), fsync=cfg.fsync) if cfg.file_bytes > 0 else None
+    store = BlockStore(cfg.memory_bytes, file_tier, cfg.file_bytes, write_through=cfg.write_through,
+                       max_block_bytes=cfg.max_block_bytes, listener=index)
+    return store, index
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or load_settings()
+    cfg = settings.store
+    store_id = store_id_of(settings)
+    registry = new_registry()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store, index = build_store(settings)
+        app.state.store = StoreContext(cfg, store_id, store)
+        registry.register(StoreCollector(store))
+        log.info("store %s serving %d blocks (memory %d B, file tier %s, %d B)", store_id, len(store),
+                 cfg.memory_bytes, spill_dir(settings) if cfg.file_bytes else "off", cfg.file_bytes)
+        try:
+            yield
+        finally:
+            await run_in_threadpool(store.close)
+            if index is not None:
+                try:
+                    index.drop_store()
+                except Exception as exc:  # Redis gone at shutdown: the next start republishes anyway
+                    log.warning("could not withdraw this store's block index entries: %s", exc)
+
+    app = FastAPI(title="PlaneKV store service", version="1", lifespan=lifespan,
+                  description="Framed blocks of cold bit planes: a memory tier spilling to NVMe files.")
+    app.state.registry = registry
+    install_error_handlers(app)
+    app.add_middleware(RequestMetrics, registry=registry, prefix="planekv_store")
+
+    app.include_router(routes.probes)
+    app.include_router(routes.router, dependencies=bearer_auth(settings.api_token),
+                       responses=error_responses(400, 401) if settings.api_token else error_responses(400))
+    return app
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the store in the foreground until SIGINT/SIGTERM (then persist and withdraw its index)."""
+    settings = store_settings(args)
+    logging.getLogger().setLevel(settings.log_level)
+    run_uvicorn(create_app(settings), settings.store.host, settings.store.port, settings.log_level, args.access_log)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m planekv.services.store", description=DESCRIPTION)
+    add_store_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(args)
