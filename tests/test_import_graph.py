@@ -21,7 +21,8 @@ a layer may not import each other.
    models would let a model runner import the HTTP services, which nothing needs).
 5. ``evaluation``: builds on models, kvstore and settings (the control plane's URL: it registers
    calibrations over HTTP, never by importing services)
-6. ``orchestration``: may use all of the above (empty for now)
+6. ``orchestration`` and ``bench``, side by side: may use all of the above. ``bench`` (the benchmark
+   harnesses) times the kernels and reads the evaluation's frozen K/V split
 7. ``demo`` (``planekv/demo.py``): kvstore, and evaluation and models for the real-model run
 8. ``cli`` (``planekv/cli.py``): the command, on top of everything, the demo included (it imports
    ``planekv.demo``, so the two cannot share a layer)
@@ -45,18 +46,11 @@ LAYERS: dict[str, int] = {
     "planekv.models": 4,
     "planekv.evaluation": 5,
     "planekv.orchestration": 6,
+    "planekv.bench": 6,
     "planekv.demo": 7,
     "planekv.cli": 8,
 }
 
-# Known violations, being removed in the kernels refactor (another branch): the kernel benchmark
-# and its CLI use planekv.evaluation (VARIANT_OPTIONS, default_k_share). Delete these entries once
-# that lands; kernels are then held to kvstore like everything else. module -> parts it may import
-# against the layers.
-ALLOWED_UPWARD: dict[str, frozenset[str]] = {
-    "planekv.kernels.bench": frozenset({"planekv.evaluation"}),
-    "planekv.kernels.cli": frozenset({"planekv.evaluation"}),
-}
 
 
 def module_name(path: Path) -> str:
@@ -177,8 +171,6 @@ def test_dependencies_point_down():
         src = part_of(mod)
         for dep in sorted(deps):
             dst = part_of(dep)
-            if dst in ALLOWED_UPWARD.get(mod, ()):
-                continue
             if dst != src and LAYERS.get(dst, 99) >= LAYERS.get(src, -1):
                 bad.append(f"  {mod} -> {dep}  ({src}, layer {LAYERS.get(src)}, may not import {dst}, "
                            f"layer {LAYERS.get(dst)})")

@@ -85,7 +85,7 @@ def _rotate_rows(x_ptr, sx_r, sx_c, m_ptr, y_ptr, n_rows, ROWS: tl.constexpr, D:
     strides sx_r / sx_c (any float dtype, taken as float32), m a contiguous float32 [D, D], y contiguous
     float32 rows of D. One program; K in chunks of 32, each a tf32x3 product (three TF32 MMAs: the operands
     split in high and low TF32 parts, the low x low term dropped; float32 sums, ~2^-22 relative; the FMA
-    form, input_precision="ieee", measured slower: KERNEL_NOTES run 102)."""
+    form, input_precision="ieee", measured slower)."""
     rr = tl.arange(0, ROWS)
     cc = tl.arange(0, D)
     rok = rr < n_rows

@@ -297,7 +297,7 @@ def _v_exact_split(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, cbins_ptr, keep_ptr, 
     loads: written by other programs of this launch), or, where more than KEEP keys fell in the bin, over
     every candidate within the bin's range, and stores lambda and the keys at it still to take as
     :func:`_v_exact` does. The same results; the scan over the candidates no longer runs in one
-    program (KERNEL_NOTES run 105). The fall-back flags as in :func:`_v_exact` (program 0 stores them)."""
+    program. The fall-back flags as in :func:`_v_exact` (program 0 stores them)."""
     tl.static_assert((CH <= CAP) & (CAP % CH == 0), "programs of CH candidates over a buffer of CAP")
     grp = tl.program_id(0)
     ch = tl.program_id(1)
@@ -310,7 +310,7 @@ def _v_exact_split(hist_ptr, len_ptr, cmeta_ptr, cand_ptr, cbins_ptr, keep_ptr, 
         cc = tl.arange(0, CH)
         c0 = ch * CH
         # (every program reads the bins, also one past the candidates: measured faster than reading them
-        # only where needed, the last program's read then following its arrival; KERNEL_NOTES run 106)
+        # only where needed, the last program's read then following its arrival)
         a, z, need_s = _exact_bin(meta, cbins_ptr + grp * CBINS, need, CBINS)
         if c0 < n_cand:
             keys = tl.load(cbase + c0 + cc, mask=c0 + cc < n_cand, other=-1)

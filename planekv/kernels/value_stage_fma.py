@@ -119,7 +119,7 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     acc7 = zero
     lrow = logit_ptr + (b * HQ + h * G) * TMAX
     # one loop over tiles of tokens of mixed depths (a split into deep and shallow tiles, each with its
-    # own loop, cost more registers than the 4x8 transpose saved: run 35); only the Full Reader at
+    # own loop, cost more registers than the 4x8 transpose saved); only the Full Reader at
     # <= 4 planes, where every token is shallow, reads with 4 loads and the 4x8 transpose
     NPL: tl.constexpr = W if FIXED_V == 0 or FIXED_V > 4 else min(W, 4)
     for ti in range(0, tl.cdiv(n_items, TS)):

@@ -57,7 +57,7 @@ def _v_lanes(HKV: tl.constexpr, NWARP: tl.constexpr):
             t % 4)
 
 
-# The Value stage on int8 tensor cores (KERNEL_NOTES, "the Value stage on int8 tensor cores"): per plane and
+# The Value stage on int8 tensor cores: per plane and
 # step of 32 listed tokens, A = the plane bytes in place (unsigned 2^k per set bit, as the Key stage's),
 # B = the bytes of Y = rint(p w / S) (|Y| <= 2^22): n-tile 0 column 2n the top byte of query head n
 # (signed), odd columns zero; n-tile 1 columns 2n / 2n + 1 its bytes 1 / 0 (unsigned).

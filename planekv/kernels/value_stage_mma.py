@@ -170,7 +170,7 @@ def _value_stage_c(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     channel mean, which the combine step adds once for all, so it costs nothing here; and sorted
     tiles hold tokens of (nearly) one depth, so a tile reads the planes its tokens need rather than
     those of its deepest token. Decoding per tile as in :func:`_value_stage`, with a page per
-    token. The reader uses it where it measured faster (``TritonReader.compact_values``)."""
+    token. The reader uses it where it measured faster (``ReaderConfig.compact_values``)."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
     h = pid_bh % HKV

@@ -1,0 +1,106 @@
+"""The Triton kernels on a CUDA device, against the torch reference reader: every stage family (the FMA stages,
+the int8 stages that only a GPU runs, the fp16-MMA stages of wide groups), both Value allocations, Key
+refinement, ragged lengths and CUDA-graph replay, the encoder and the FP8 baseline.
+
+    .venv/bin/python -m pytest -m gpu tests/gpu
+
+Skipped without a CUDA device, and when Triton's interpreter is on (run this directory on its own)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from planekv.bench import Shape, check_against_reference, synthetic_step
+from planekv.kernels import FP8Decode, ReaderConfig, TritonReader, quantize_fp8
+from planekv.kvstore import ReadPolicy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="Triton's interpreter is on: run `pytest -m gpu tests/gpu` on its own"),
+]
+
+LENGTHS = [4096, 4095, 1, 65, 2000, 513, 3000, 64]  # ends mid-page, one token, shorter than one Key split
+POLICIES = {"flex-r2": ReadPolicy.flexible(2.0, 0.875), "flex-r4": ReadPolicy.flexible(4.0, 0.75),
+            "flex-kr-r2": ReadPolicy.flexible(2.0, 0.875, key_refine=0.3), "cons-r2": ReadPolicy.constrained(2.0)}
+
+
+def _step(hq: int, hk: int, d: int, codebook: str, v_run: int):
+    data = synthetic_step(Shape("gpu-check", len(LENGTHS), max(LENGTHS), hq, hk, d), torch.device("cuda"), 0,
+                          codebook=codebook, v_run=v_run)
+    data.lengths[:] = torch.tensor(LENGTHS, dtype=torch.int32, device=data.lengths.device)
+    return data
+
+
+@pytest.mark.parametrize("codebook,v_run,hq,hk,d", [
+    ("gaussian-lloyd-tree", 1, 32, 8, 128),  # FMA stages
+    ("uniform-linear-c3", 1, 32, 8, 128),  # int8 Key and Value stages
+    ("uniform-linear-c3", 4, 32, 8, 128),  # int8 stages, V pages in runs of 4
+    ("uniform-linear-c3", 1, 9, 3, 64),  # int8 Key stage, FMA Value stage (d = 64)
+    ("uniform-linear-c3", 1, 4, 1, 256),  # int8 stages at d = 256
+    ("gaussian-lloyd-tree", 1, 32, 2, 128),  # 16 query heads per KV head: the fp16-MMA stages
+])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_stage_family_matches_the_reference(codebook: str, v_run: int, hq: int, hk: int, d: int,
+                                                  policy: str) -> None:
+    """Depths equal to the reference reader's on every sequence (a swap within float32 rounding of lambda at
+    most) and the output within float32 accuracy, for both Value allocations."""
+    if policy == "flex-kr-r2" and hq // hk > 8:
+        pytest.skip("Key refinement runs on the FMA stages (<= 8 query heads per KV head)")
+    data = _step(hq, hk, d, codebook, v_run)
+    for alloc in ("radix", "two-pass"):
+        reader = TritonReader(data.codec, POLICIES[policy], ReaderConfig(value_alloc=alloc))
+        plan = reader.plan(len(LENGTHS), max(LENGTHS), data.q.device)
+        res = check_against_reference(reader, plan, data, data.codec, n_seq=len(LENGTHS))
+        diffs = res["k_depth_mismatch"] + res["v_depth_mismatch"] + res.get("refined_mismatch", 0)
+        assert diffs <= 2, res
+        assert res["rel_err"] < (1e-3 if diffs else 1e-4), res
+
+
+def test_a_captured_step_replays_the_eager_one() -> None:
+    """run() allocates nothing: a CUDA graph of it replays the eager step's output bit for bit."""
+    data = _step(32, 8, 128, "uniform-linear-c3", 1)
+    reader = TritonReader(data.codec, ReadPolicy.flexible(2.0, 0.875))
+    plan = reader.plan(len(LENGTHS), max(LENGTHS), data.q.device)
+    args = (plan, data.q, data.cache.k_pool[0], data.cache.v_pool[0], data.page_table, data.lengths, 0)
+    eager = reader.run(*args).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reader.run(*args)
+    plan.out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(plan.out, eager)
+
+
+def test_fp8_baseline_matches_dequantized_attention() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b, hq, hk, t, d = 4, 32, 8, 4096, 128
+    q = torch.randn(b, hq, d, device="cuda", generator=g).half()
+    k = torch.randn(b, hk, t, d, device="cuda", generator=g).half()
+    v = torch.randn(b, hk, t, d, device="cuda", generator=g).half()
+    (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+    f = FP8Decode(hq, hk, d)
+    out = f.run(f.plan(b, t, "cuda"), q, k8, v8, ks, vs, torch.full((b,), t, dtype=torch.int32, device="cuda"))
+    kk, vv = k8.float() * ks[None, :, None, None], v8.float() * vs[None, :, None, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kk, vv, enable_gqa=True)[:, :, 0]
+    assert float((out - ref).norm() / ref.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("codebook,v_run", [("gaussian-lloyd-tree", 1), ("uniform-linear-c3", 4)])
+def test_the_encoder_writes_the_reference_codes(codebook: str, v_run: int) -> None:
+    """The step's cache was written by the Triton encoder on the GPU: its planes read back as the codec's
+    codes (torch, CPU), except where z sits within float rounding of a threshold."""
+    from planekv.kvstore import PlaneKVCache
+
+    data = synthetic_step(Shape("enc", 2, 1000, 8, 2, 128), torch.device("cuda"), 1, codebook=codebook, v_run=v_run)
+    ref = PlaneKVCache(data.spec, 2)
+    ref.append(0, data.codec.encode_k(data.k.float().cpu(), 0), data.codec.encode_v(data.v.float().cpu(), 0))
+    for b in range(2):
+        for got, want in ((data.cache.read_k(0, b, 8).cpu(), ref.read_k(0, b, 8)),
+                          (data.cache.read_v(0, b, 8).cpu(), ref.read_v(0, b, 8))):
+            assert got.shape == want.shape and (got != want).float().mean().item() < 1e-4
