@@ -101,7 +101,8 @@ class ReaderConfig:
         check(self.cand_cap == AUTO or is_int(self.cand_cap) and self.cand_cap >= 2 and pow2(self.cand_cap),
               "cand_cap", "'auto' or a power of two >= 2")
         split = self.exact_split
-        check(split == AUTO or is_int(split) and (split == 0 or pow2(split)), "exact_split", "'auto', 0 or a power of two")
+        check(split == AUTO or is_int(split) and (split == 0 or pow2(split)), "exact_split",
+              "'auto', 0 or a power of two")
         check(is_int(self.exact_keep) and self.exact_keep >= 1, "exact_keep", "an int >= 1")
         check(isinstance(self.sample_slack, (int, float)) and math.isfinite(self.sample_slack), "sample_slack",
               "a finite number")
