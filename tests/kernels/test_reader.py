@@ -35,7 +35,7 @@ def assert_same_depths(kernel: torch.Tensor, ref: torch.Tensor, step: int = 1) -
         assert sorted(moved.tolist()) == [-step, step]
 
 
-def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 64,
+def _setup(seed: int, lengths: list[int], hq: int = 4, hk: int = 2, d: int = 32,
            codebook: str = "gaussian-lloyd-tree", v_run: int = 1):
     syn = make_synthetic(n_tokens=max(lengths), n_rows=len(lengths), n_layers=1, n_q_heads=hq, n_kv_heads=hk,
                          head_dim=d, seed=seed)
@@ -262,7 +262,7 @@ def test_mma_assembly_equals_the_fma_one(pages_per_program: int, d: int) -> None
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("name,hq,hk,compact", [("flexible-r2-k0.3", 4, 2, True), ("constrained-r2", 8, 8, False),
+@pytest.mark.parametrize("name,hq,hk,compact", [("flexible-r2-k0.3", 4, 2, True), ("constrained-r2", 4, 4, False),
                                                 ("explicit-budgets", 16, 2, True), ("flexible-r4", 3, 1, False),
                                                 ("flexible-r2-head-weight", 4, 2, None)])
 def test_fma_stages_match_the_reference(name: str, hq: int, hk: int, compact: bool | None) -> None:
