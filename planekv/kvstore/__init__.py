@@ -22,6 +22,7 @@ from .errors import BudgetError, CacheFull, CalibrationError, FormatMismatch, Pl
 from .format import FormatSpec
 from .planes import PlaneKVCache, pack_k_page, pack_v_page, v_planes
 from .policy import ReadPolicy
+from .residency import Residency
 from .stats import ReadStats
 from .transform import HadamardSign, block_sizes, hadamard_matrix
 
@@ -31,5 +32,6 @@ __all__ = [
     "FormatMismatch", "FormatSpec", "GaussianTree", "greedy_allocate", "hadamard_matrix", "HadamardSign",
     "history_reads", "ladder", "lloyd_max_levels", "logical_read_bits", "make_codebook", "NestedCodebook",
     "pack_k_page", "pack_v_page", "v_planes", "PlaneKVCache", "PlaneKVError", "rate", "ReadPolicy", "ReadStats",
+    "Residency",
     "reference", "threshold_allocate", "two_stage_workspace_bytes", "UniformLinearTree", "write_amortization",
 ]

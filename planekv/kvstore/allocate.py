@@ -12,6 +12,10 @@ same as a threshold rule: ``steps(x) = #{k : a_x r_k > lambda}`` (plus ties at l
 - :func:`threshold_allocate`: batched torch; finds lambda per problem by bisection on the bit
   pattern of a float64 (exact), using sorted importances, then settles ties. No heap, no sort of
   the n * K gains; this is the formulation the kernels use.
+
+Both take an optional per-item ``max_depth``: the deepest depth that can be read (a tiered cache's resident
+depth). Steps past it are left out of the order, so the budget goes to the next readable gains; with
+``max_depth`` >= W everywhere the result is the unlimited one.
 """
 
 from __future__ import annotations
@@ -47,25 +51,33 @@ def _n_steps(budget: int, n_items: int, width: int, min_depth: int, packet: int)
 
 
 def greedy_allocate(importance: Sequence[float], budget: int, distortion: Sequence[float],
-                    width: int = 8, min_depth: int = 0, packet: int = 1) -> list[int]:
-    """Exact greedy with a heap: depths (planes) per item, spending ``budget`` planes."""
+                    width: int = 8, min_depth: int = 0, packet: int = 1,
+                    max_depth: Sequence[int] | None = None) -> list[int]:
+    """Exact greedy with a heap: depths (planes) per item, spending ``budget`` planes (``max_depth``: per item,
+    the deepest readable depth)."""
     a = [float(x) for x in importance]
     if any(not x >= 0.0 for x in a):
         raise BudgetError("importances must be finite and >= 0")
     r = step_gains(distortion, width, min_depth, packet)
-    steps = _n_steps(budget, len(a), width, min_depth, packet)
+    limit = [len(r)] * len(a) if max_depth is None else [_steps_to(m, len(r), min_depth, packet) for m in max_depth]
+    steps = min(_n_steps(budget, len(a), width, min_depth, packet), sum(limit))
     depth = [min_depth] * len(a)
-    taken = [0] * len(a)
     # Heap key: (-gain, step index, item): the module's total order.
-    heap = [(-x * r[0], 0, i) for i, x in enumerate(a)] if r else []
+    heap = [(-x * r[0], 0, i) for i, x in enumerate(a) if limit[i] > 0] if r else []
     heapq.heapify(heap)
     for _ in range(steps):
         _, k, i = heapq.heappop(heap)
-        taken[i] += 1
         depth[i] += packet
-        if k + 1 < len(r):
+        if k + 1 < limit[i]:
             heapq.heappush(heap, (-a[i] * r[k + 1], k + 1, i))
     return depth
+
+
+def _steps_to(max_depth: int, n_steps: int, min_depth: int, packet: int) -> int:
+    """Steps of the ladder an item may take when it can be read to ``max_depth`` planes."""
+    if max_depth < min_depth:
+        raise BudgetError(f"a readable depth {max_depth} is below the minimum depth {min_depth}")
+    return min(n_steps, (max_depth - min_depth) // packet)
 
 
 SORT_BELOW = 1 << 20  # CPU problems with fewer gains than this sort instead of bisecting
@@ -108,11 +120,13 @@ def _kth_largest(prio_sorted: torch.Tensor, count: torch.Tensor) -> torch.Tensor
 
 def threshold_allocate(importance: torch.Tensor, budget: torch.Tensor | int, distortion: Sequence[float],
                        width: int = 8, min_depth: int = 0, packet: int = 1,
-                       valid: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
+                       valid: torch.Tensor | None = None, chunk: int = 256,
+                       max_depth: torch.Tensor | None = None) -> torch.Tensor:
     """Depths [..., n] (int64) for importances [..., n] and budgets [...] (planes per problem).
 
-    ``valid`` [..., n] marks real items (padding gets depth 0 and no budget). Equals
-    :func:`greedy_allocate` on every problem.
+    ``valid`` [..., n] marks real items (padding gets depth 0 and no budget). ``max_depth`` [..., n]: the
+    deepest readable depth per item (steps past it are not taken). Equals :func:`greedy_allocate` on every
+    problem.
     """
     a = importance.detach().to(torch.float64)
     lead = a.shape[:-1]
@@ -134,16 +148,29 @@ def threshold_allocate(importance: torch.Tensor, budget: torch.Tensor | int, dis
     depth = torch.where(v, min_depth, 0).to(torch.int64)
     if n_k == 0 or n == 0:
         return depth.reshape(*lead, n)
-    count = torch.minimum(rest // packet, n_k * n_valid)
+    if max_depth is None:
+        limit = None
+        count = torch.minimum(rest // packet, n_k * n_valid)
+    else:
+        md = max_depth.to(device=a.device, dtype=torch.int64).reshape(rows, n)
+        if bool(((md < min_depth) & v).any()):
+            raise BudgetError(f"a readable depth is below the minimum depth {min_depth}")
+        limit = torch.where(v, ((md - min_depth) // packet).clamp(0, n_k), 0)  # [rows, n] steps each may take
+        count = torch.minimum(rest // packet, limit.sum(1))
+    kk = torch.arange(n_k, device=a.device)
     for s in range(0, rows, chunk):
         e = min(rows, s + chunk)
         ac = torch.where(v[s:e], a[s:e], torch.tensor(-1.0, dtype=torch.float64, device=a.device))
         prio = ac[:, None, :] * r[None, :, None]  # [c, K, n]; invalid items < 0
         neg = torch.tensor(-1.0, dtype=torch.float64, device=a.device)
         prio = torch.where(prio < 0, neg, prio)
-        # Every step row k is a * r_k with r_k > 0: sorting a once sorts all K rows.
-        prio_sorted = ac.sort(-1).values[:, None, :] * r[None, :, None]
-        prio_sorted = torch.where(prio_sorted < 0, neg, prio_sorted)
+        if limit is None:
+            # Every step row k is a * r_k with r_k > 0: sorting a once sorts all K rows.
+            prio_sorted = ac.sort(-1).values[:, None, :] * r[None, :, None]
+            prio_sorted = torch.where(prio_sorted < 0, neg, prio_sorted)
+        else:  # steps past an item's readable depth are out; each step row sorted on its own
+            prio = torch.where(kk[None, :, None] < limit[s:e, None, :], prio, neg)
+            prio_sorted = prio.sort(-1).values
         cnt = count[s:e]
         lam = _kth_largest(prio_sorted, cnt.clamp_min(1))
         lam = torch.where(cnt > 0, lam, torch.full_like(lam, float("inf")))

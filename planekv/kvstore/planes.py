@@ -73,6 +73,38 @@ def _planes_to_codes(bits: torch.Tensor, width: int) -> torch.Tensor:
     return (bits << shifts.view(shape)).sum(0, dtype=torch.uint8)
 
 
+def write_k_planes(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor) -> None:
+    """OR Key bits into K pages: pool [pages, n, d, P/8] (its planes 0..n-1), pages [Hkv, m] (each token's
+    page), offsets [m] (its position in the page), bits [Hkv, m, d, n] (0/1, pool plane order). The pages'
+    bytes at these tokens must be zero (free pages are; no position is written twice), so a sum is the OR."""
+    hk, m, d, n = bits.shape
+    p8 = pool.shape[3]
+    dev = pool.device
+    vals = bits << (offsets % 8).to(device=dev, dtype=torch.uint8)[None, :, None, None]
+    j = torch.arange(n, device=dev)
+    c = torch.arange(d, device=dev)
+    flat = ((pages[:, :, None, None] * n + j[None, None, None, :]) * d + c[None, None, :, None]) * p8 \
+        + (offsets // 8).to(dev)[None, :, None, None]
+    pool.view(-1).index_put_((flat.reshape(-1),), vals.reshape(-1), accumulate=True)
+
+
+def write_v_planes(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor,
+                   v_run: int = 1) -> None:
+    """Write Value rows into V pages: pool [pages, n, P, d/8] (or [pages, n/g, P, g, d/8] with ``v_run`` = g),
+    pages [Hkv, m], offsets [m], bits [Hkv, m, d, n] (0/1, pool plane order); each (plane, token) row whole."""
+    hk, m, d, n = bits.shape
+    dev = pool.device
+    rows = pack_bits(bits.permute(0, 1, 3, 2))  # [Hkv, m, n, d/8]
+    j = torch.arange(n, device=dev)
+    page_idx = pages[:, :, None].expand(hk, m, n)
+    tok_idx = offsets.to(dev)[None, :, None].expand(hk, m, n)
+    if v_run == 1:
+        pool[page_idx, j[None, None, :].expand(hk, m, n), tok_idx] = rows
+    else:  # run j // g, row j % g of the token's run
+        pool[page_idx, (j // v_run)[None, None, :].expand(hk, m, n), tok_idx,
+             (j % v_run)[None, None, :].expand(hk, m, n)] = rows
+
+
 def v_page_shape(spec: FormatSpec) -> tuple[int, ...]:
     """One V page's shape in the format's layout: (W, P, d/8), or (W/g, P, g, d/8) with ``spec.v_run`` = g > 1."""
     w, p, nb, g = spec.width, spec.page_size, spec.head_dim // 8, spec.v_run
@@ -189,39 +221,16 @@ class PlaneKVCache:
         n = k_codes.shape[1]
         if n == 0:
             return
-        w, d, p = spec.width, spec.head_dim, spec.page_size
+        w, p = spec.width, spec.page_size
         start = self.length(layer, seq)
         pos = torch.arange(start, start + n)
         slot, off = pos // p, pos % p
         self._ensure_pages(seq, int(slot[-1]) + 1)
         dev = self.device
         pages = self.page_table[seq][:, slot].to(dev)  # [Hkv, n]
-        hk = spec.n_kv_heads
         off_d = off.to(dev)
-
-        # K: OR each token's bit into byte off // 8 of its (plane, channel) row. Free pages are
-        # zero and no token position is written twice, so a sum is the OR.
-        kbits = plane_bits(k_codes.to(dev), w)  # [Hkv, n, d, W]
-        vals = kbits << (off_d % 8).to(torch.uint8)[None, :, None, None]
-        j = torch.arange(w, device=dev)
-        c = torch.arange(d, device=dev)
-        flat = ((pages[:, :, None, None] * w + j[None, None, None, :]) * d + c[None, None, :, None]) \
-            * (p // 8) + (off_d // 8)[None, :, None, None]
-        kpool = self.k_pool[layer].view(-1)
-        kpool.index_put_((flat.reshape(-1),), vals.reshape(-1), accumulate=True)
-
-        # V: each (plane, token) row is written whole.
-        vbits = plane_bits(v_codes.to(dev), w)  # [Hkv, n, d, W]
-        rows = pack_bits(vbits.permute(0, 1, 3, 2))  # [Hkv, n, W, d/8]
-        vpool = self.v_pool[layer]
-        page_idx = pages[:, :, None].expand(hk, n, w)
-        tok_idx = off_d[None, :, None].expand(hk, n, w)
-        g = spec.v_run
-        if g == 1:
-            vpool[page_idx, j[None, None, :].expand(hk, n, w), tok_idx] = rows
-        else:  # run j // g, row j % g of the token's run
-            run_idx = (j // g)[None, None, :].expand(hk, n, w)
-            vpool[page_idx, run_idx, tok_idx, (j % g)[None, None, :].expand(hk, n, w)] = rows
+        write_k_planes(self.k_pool[layer], pages, off_d, plane_bits(k_codes.to(dev), w))
+        write_v_planes(self.v_pool[layer], pages, off_d, plane_bits(v_codes.to(dev), w), spec.v_run)
         self.lengths[layer, seq] += n
 
     # ---- read path ----

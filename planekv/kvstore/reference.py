@@ -40,6 +40,7 @@ from .baselines import (  # noqa: E402,F401
 from .codec import Codec
 from .planes import PlaneKVCache
 from .policy import PLANEKV_KEY_REFINE, ReadPolicy
+from .residency import Residency
 from .stats import ReadStats
 
 __all__ = [
@@ -62,11 +63,12 @@ def _row_budgets(policy: ReadPolicy, n_tokens: torch.Tensor, head_dim: int) -> t
 
 def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy, distortion: list[float],
               min_depth: int, packet: int, valid: torch.Tensor | None,
-              spent: torch.Tensor | None = None) -> torch.Tensor:
+              spent: torch.Tensor | None = None, max_depth: torch.Tensor | None = None) -> torch.Tensor:
     """importance [M, Hkv, n], budget [M] per head -> depths [M, Hkv, n]; pooled or per head.
 
     ``spent`` [M, Hkv] (planes of this stage's size already spent elsewhere, e.g. on sink Keys) is
-    taken from the budget (from the pooled sum when pooled), never below the minimum depths."""
+    taken from the budget (from the pooled sum when pooled), never below the minimum depths.
+    ``max_depth`` [M, Hkv, n]: the deepest readable depth per item (a tiered cache's residency)."""
     m, hk, n = importance.shape
     dev = importance.device
     floor = torch.full((m, hk), n, dtype=torch.int64) if valid is None else valid.sum(-1).cpu()
@@ -76,13 +78,26 @@ def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy
         bud = budget.cpu() * hk
         if spent is not None:
             bud = torch.maximum(bud - spent.cpu().sum(1), floor.sum(1))
+        md = None if max_depth is None else max_depth.reshape(m, hk * n)
         dep = threshold_allocate(importance.reshape(m, hk * n), bud.to(dev), distortion,
-                                 policy.width, min_depth, packet, v)
+                                 policy.width, min_depth, packet, v, max_depth=md)
         return dep.reshape(m, hk, n)
     bud = budget.cpu()[:, None].expand(m, hk)
     if spent is not None:
         bud = torch.maximum(bud - spent.cpu(), floor)
-    return threshold_allocate(importance, bud.to(dev), distortion, policy.width, min_depth, packet, valid)
+    return threshold_allocate(importance, bud.to(dev), distortion, policy.width, min_depth, packet, valid,
+                              max_depth=max_depth)
+
+
+def _caps(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy, distortion: list[float],
+          min_depth: int, packet: int, valid: torch.Tensor | None, spent: torch.Tensor | None,
+          max_depth: torch.Tensor | None) -> torch.Tensor:
+    """Per row [M]: the planes an allocation without the residency limit would have taken past ``max_depth``
+    (the increments a tiered read could not serve: its caps)."""
+    if max_depth is None:
+        return torch.zeros(importance.shape[0], dtype=torch.float64)
+    free = _allocate(importance, budget, policy, distortion, min_depth, packet, valid, spent)
+    return (free - max_depth.to(free.device)).clamp_min(0).sum((1, 2)).cpu().double()
 
 
 def _codes_for(src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], depths: torch.Tensor) -> torch.Tensor:
@@ -96,13 +111,17 @@ def _codes_for(src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], depth
 def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
                 v_src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], codec: Codec, layer: int,
                 policy: ReadPolicy, lengths: torch.Tensor, starts: torch.Tensor | None = None,
-                scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+                scale: float | None = None, k_max: torch.Tensor | None = None,
+                v_max: torch.Tensor | None = None) -> tuple[torch.Tensor, ReadStats]:
     """Two-stage read for M query rows of one sequence and layer.
 
     q [Hq, M, d] (after RoPE, model domain). ``k_src``/``v_src``: codes [Hkv, T, d] (uint8), or a
     callback that receives the depths of a single row ([Hkv, d] for K, [Hkv, T] for V) and returns
-    code prefixes read at those depths (the paged decode path). Returns out [Hq, M, d] (float32)
-    and per-row stats.
+    code prefixes read at those depths (the paged decode path). ``k_max`` [Hkv, d] / ``v_max`` [Hkv, T]:
+    the deepest depth that can be read per Key channel / Value token (a tiered cache's residency; None:
+    W); the allocations stay within them and count as caps (``stats.extra["k_caps"]`` / ``["v_caps"]``,
+    planes per row) the increments they would have taken past them. Returns out [Hq, M, d] (float32) and
+    per-row stats.
     """
     spec = codec.spec
     if policy.width != spec.width:
@@ -134,7 +153,11 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     if policy.key_refine:  # the channel stage gets (1 - key_refine) of B_K, the rest refines tokens
         bk_stage = torch.maximum(torch.floor(bk.double() * (1.0 - policy.key_refine)).to(torch.int64),
                                  torch.full_like(bk, policy.min_depth_k * d))
-    t_dep = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d]
+    k_lim = None if k_max is None else k_max.to(torch.int64)[None].expand(m, hk, d)
+    if k_lim is not None and (policy.sink_keys or policy.key_refine):
+        raise ValueError("a read within a residency limit supports neither sink_keys nor key_refine yet")
+    t_dep = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None, max_depth=k_lim)  # [M, Hkv, d]
+    k_caps = _caps(a, bk_stage, policy, dist, policy.min_depth_k, 1, None, None, k_lim)
     k_codes = _codes_for(k_src, t_dep)[:, :t_max].long()  # [Hkv, T, d]
     n_code = table.shape[1]
     flat = table.reshape(-1)
@@ -193,7 +216,10 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     if policy.value_head_weight:
         b = b * (sig_v * sig_v).sum(-1)[None, :, None]
     valid = mask[:, None, :].expand(m, hk, t_max)
-    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v)  # [M, Hkv, T]
+    v_lim = None if v_max is None else v_max[:, :t_max].to(torch.int64)[None].expand(m, hk, t_max)
+    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v,
+                      max_depth=v_lim)  # [M, Hkv, T]
+    v_caps = _caps(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v, v_lim)
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
     out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
     if m == 1:
@@ -222,6 +248,8 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     )
     if refined is not None:
         stats.extra["k_refined"] = refined.cpu()  # [Hkv, M, T] bool: tokens whose Keys were read at depth W
+    if k_max is not None or v_max is not None:
+        stats.extra["k_caps"], stats.extra["v_caps"] = k_caps, v_caps  # [M] planes (Key planes cost T bits)
     return out, stats
 
 
@@ -278,22 +306,28 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
 
 
 def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
-                  scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+                  scale: float | None = None, residency: Residency | None = None) -> tuple[torch.Tensor, ReadStats]:
     """One decode step over a paged cache: q [B, Hq, d] -> out [B, Hq, d] (float32), stats [B rows].
 
     Planes are read from the pages at the allocated depths only (K after the Key allocation, V
-    after the Value allocation). Sequences may have different lengths.
+    after the Value allocation). Sequences may have different lengths. With a ``residency`` (a tiered
+    cache's) no depth passes it; the increments that would have are counted in ``stats.extra["k_caps"]`` /
+    ``["v_caps"]`` (planes per sequence).
     """
     cache.check_format(codec.format_id)
+    if residency is not None:
+        residency.check(codec.spec, q.shape[0])
     outs, parts = [], []
     for b in range(q.shape[0]):
         t = cache.length(layer, b)
         if t == 0:
             raise ValueError(f"sequence {b} has no tokens in layer {layer}")
+        lim = {} if residency is None else dict(
+            k_max=residency.k_depth[b], v_max=residency.v_depth(b, t, codec.spec.page_size))
         out, st = readkv_rows(
             q[b][:, None, :], lambda dep, b=b: cache.read_k(layer, b, dep),
             lambda dep, b=b: cache.read_v(layer, b, dep), codec, layer, policy,
-            torch.tensor([t]), scale=scale)
+            torch.tensor([t]), scale=scale, **lim)
         refined = st.extra["k_refined"][:, 0] if "k_refined" in st.extra else None  # [Hkv, T]
         st.physical_bytes = cache.physical_read_bytes(layer, b, st.k_depths[0], st.v_depths[0], refined)
         outs.append(out[:, 0])
@@ -303,6 +337,9 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
     stats.extra["v_depths"] = [p.v_depths[0] for p in parts]  # type: ignore[index]
     if policy.key_refine:
         stats.extra["k_refined"] = [p.extra["k_refined"][:, 0] for p in parts]  # per sequence [Hkv, T]
+    if residency is not None:
+        for key in ("k_caps", "v_caps"):
+            stats.extra[key] = torch.cat([p.extra[key] for p in parts])
     return torch.stack(outs), stats
 
 

@@ -63,3 +63,7 @@ class StoreIOError(BlockError):
 
 class IndexPublishError(BlockError):
     """The block's metadata could not be published (e.g. Redis unreachable); the write was undone."""
+
+
+class TierFull(BlockError):
+    """A bounded tier has no room for more data (raise its capacity, or free sequences)."""

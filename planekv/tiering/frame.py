@@ -168,14 +168,19 @@ def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
     return h.intdigest()
 
 
+def frame_header(key: BlockKey, payload: bytes | bytearray | memoryview) -> bytes:
+    """The 4096-byte header of ``payload`` framed under ``key``, checksum included. A frame is this header, the
+    payload and zero padding to 4 KiB (:func:`encode_frame`), so a buffer laid out that way is framed in place."""
+    payload = memoryview(payload).cast("B")
+    n = payload.nbytes
+    return _pack_header(key, n, _checksum(_pack_header(key, n, 0), payload))
+
+
 def encode_frame(key: BlockKey, payload: bytes | bytearray | memoryview) -> bytes:
     """Frame ``payload`` (any bytes) under ``key``: header, payload, zero padding to 4 KiB."""
     payload = memoryview(payload).cast("B")
     n = payload.nbytes
-    header = _pack_header(key, n, 0)
-    ck = _checksum(header, payload)
-    header = _pack_header(key, n, ck)
-    return b"".join((header, payload, bytes(aligned(n) - n)))
+    return b"".join((frame_header(key, payload), payload, bytes(aligned(n) - n)))
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> FrameHeader:

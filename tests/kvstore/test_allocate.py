@@ -226,3 +226,36 @@ def test_sort_and_bisection_paths_agree(monkeypatch) -> None:
         monkeypatch.setattr(A, "SORT_BELOW", 0)
         by_bisection = A.threshold_allocate(a, bud, dist)
         assert torch.equal(by_sort, by_bisection)
+
+
+@pytest.mark.parametrize("m,p", [(0, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("dist", [D, LINEAR_D], ids=["tree", "linear"])
+def test_a_readable_depth_limit_moves_the_budget_to_readable_steps(gen, m, p, dist):
+    """``max_depth`` (a tiered cache's residency): no item passes its limit, the heap greedy and the threshold
+    rule still agree (ties included), the budget goes to readable steps (spent exactly while they last), and
+    the result is the brute-force optimum over the depths within the limits."""
+    rows, n = 24, 4
+    a = _importances(gen, rows, n)
+    lad = ladder(W, m, p)
+    lim = torch.tensor(lad)[torch.randint(0, len(lad), (rows, n), generator=gen)]  # on the ladder, >= m
+    budgets = torch.randint(m * n, lad[-1] * n + 6, (rows,), generator=gen)
+    thr = threshold_allocate(a, budgets, dist, W, m, p, max_depth=lim)
+    assert bool((thr <= lim).all()) and bool((thr >= m).all())
+    allv = torch.tensor(list(itertools.product(lad, repeat=n)), dtype=torch.int64)
+    for i in range(rows):
+        want = greedy_allocate(a[i].tolist(), int(budgets[i]), dist, W, m, p, max_depth=lim[i].tolist())
+        assert thr[i].tolist() == want
+        readable = int(lim[i].sum())
+        assert int(thr[i].sum()) == min(_spent(int(budgets[i]), n, m, p), readable)
+        ok = (allv <= lim[i]).all(1) & (allv.sum(1) <= int(budgets[i]))
+        best = _objective(a[i], allv[ok], dist).max()
+        assert float(_objective(a[i], thr[i], dist)) == pytest.approx(float(best), rel=1e-12, abs=1e-12)
+
+
+def test_a_limit_of_w_everywhere_is_no_limit(gen):
+    a = _importances(gen, 64, 12)
+    budgets = torch.randint(0, 80, (64,), generator=gen)
+    free = threshold_allocate(a, budgets, D, W)
+    assert torch.equal(threshold_allocate(a, budgets, D, W, max_depth=torch.full((64, 12), W)), free)
+    with pytest.raises(BudgetError, match="below the minimum depth"):
+        threshold_allocate(a, budgets + 12, D, W, min_depth=1, max_depth=torch.zeros(64, 12, dtype=torch.int64))

@@ -575,3 +575,73 @@ def test_key_refine_options_are_checked():
     assert ReadPolicy.flexible(2.0, key_refine=0.1).reference_only_options() == []  # in the kernels too
     assert ReadPolicy.flexible(2.0, key_refine=0.1, key_refine_block=16).reference_only_options() == \
         ["key_refine_block"]
+
+
+def _paged(codec, kc, vc, lengths):
+    """A paged cache of ``lengths`` tokens per sequence from codes [Hkv, T, d]."""
+    cache = PlaneKVCache(codec.spec, len(lengths))
+    for b, t in enumerate(lengths):
+        cache.append(0, kc[:, :t], vc[:, :t], seq=b)
+    return cache
+
+
+@pytest.mark.parametrize("policy", [ReadPolicy.flexible(2.0, 0.875), ReadPolicy.flexible(4.0, 0.75),
+                                    ReadPolicy.constrained(2.0)], ids=["flex-r2", "flex-r4", "cons-r2"])
+def test_a_full_residency_reads_exactly_as_none(synthetic, policy):
+    """Every plane readable (an all-GPU cache): the same depths, bits and output, bit for bit, and no caps."""
+    from planekv.kvstore import Residency
+
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=200, n_rows=2)
+    lengths = [200, 130]
+    cache = _paged(codec, kc, vc, lengths)
+    qq = q.transpose(0, 1)[:2].contiguous()  # [B, Hq, d]
+    out, st = readkv_decode(qq, cache, 0, codec, policy)
+    res = Residency.full(codec.spec, 2, cache.page_table.shape[2])
+    out_r, st_r = readkv_decode(qq, cache, 0, codec, policy, residency=res)
+    assert torch.equal(out_r, out) and torch.equal(st_r.k_depths, st.k_depths)
+    assert all(torch.equal(a, b) for a, b in zip(st_r.extra["v_depths"], st.extra["v_depths"], strict=True))
+    assert torch.equal(st_r.k_bits, st.k_bits) and torch.equal(st_r.v_bits, st.v_bits)
+    assert not st_r.extra["k_caps"].any() and not st_r.extra["v_caps"].any()
+
+
+def test_a_partial_residency_is_never_passed_and_its_caps_are_counted(synthetic):
+    """Key channels readable to 4 planes (some to 8) and Value pages to 2 (every other page to 8): no depth
+    passes its limit, the budget goes to readable increments (the bits stay the budget while they last), and
+    the caps are the increments the unlimited read took past the limits."""
+    from planekv.kvstore import Residency
+
+    codec, q, _, _, kc, vc = _setup(synthetic, n_tokens=256, n_rows=2)
+    lengths = [256, 200]
+    cache = _paged(codec, kc, vc, lengths)
+    qq = q.transpose(0, 1)[:2].contiguous()
+    policy = ReadPolicy.flexible(4.0, 0.75)
+    hk, d, slots = codec.spec.n_kv_heads, codec.spec.head_dim, cache.page_table.shape[2]
+    k_depth = torch.full((2, hk, d), 4, dtype=torch.int64)
+    k_depth[:, :, ::8] = 8  # a few Key channels promoted
+    v_page = torch.full((2, hk, slots), 2, dtype=torch.int64)
+    v_page[:, :, ::2] = 8  # every other Value page promoted
+    free_out, free = readkv_decode(qq, cache, 0, codec, policy)
+    full_k = torch.full_like(k_depth, codec.spec.width)
+    full_v = torch.full_like(v_page, codec.spec.width)
+    # each stage's caps against the unlimited read, with the other stage unlimited (the same importances)
+    _, st_k = readkv_decode(qq, cache, 0, codec, policy, residency=Residency(k_depth, full_v))
+    _, st_v = readkv_decode(qq, cache, 0, codec, policy, residency=Residency(full_k, v_page))
+    for b, t in enumerate(lengths):
+        lim = Residency(k_depth, v_page).v_depth(b, t, codec.spec.page_size)
+        assert st_k.extra["k_caps"][b] == int((free.k_depths[b] - k_depth[b]).clamp_min(0).sum())
+        assert st_v.extra["v_caps"][b] == int((free.extra["v_depths"][b] - lim).clamp_min(0).sum())
+        assert st_k.extra["v_caps"][b] == 0 and st_v.extra["k_caps"][b] == 0
+    assert float(st_k.extra["k_caps"].sum()) > 0 and float(st_v.extra["v_caps"].sum()) > 0  # the limits bit
+    # both limited
+    res = Residency(k_depth, v_page)
+    out, st = readkv_decode(qq, cache, 0, codec, policy, residency=res)
+    assert bool((st.k_depths <= k_depth).all())
+    for b, t in enumerate(lengths):
+        assert bool((st.extra["v_depths"][b] <= res.v_depth(b, t, codec.spec.page_size)).all())
+    # the budget while readable increments last: at R = 4 the Keys can read less than their budget here
+    readable_k = torch.tensor([float(k_depth[b].sum() * t) for b, t in enumerate(lengths)], dtype=torch.float64)
+    assert torch.equal(st.k_bits, torch.minimum(free.k_bits, readable_k)) and bool((st.k_bits < free.k_bits).all())
+    assert torch.equal(st.v_bits, free.v_bits)  # the Values' readable room remains
+    assert _rel(out, free_out) < 0.2  # a lower-depth read of the same tokens, not another result
+    with pytest.raises(ValueError, match="residency"):
+        readkv_decode(qq, cache, 0, codec, policy, residency=Residency(k_depth[:1], v_page[:1]))

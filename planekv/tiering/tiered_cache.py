@@ -1,0 +1,475 @@
+"""TieredCache (docs/TIERING.md): a paged bit-plane cache whose planes live in three places.
+
+- **Hot pool** (the cache's device, a GPU in serving): planes ``[0, h)`` of every page, ``h`` per layer and per K
+  / V from the ``PlacementPolicy``. Layer l's pools are ``k_hot[l]`` [pages, h_K, d, P/8] and ``v_hot[l]``
+  [pages, h_V, P, d/8] (runs of ``v_run`` planes where the format says so).
+- **Open pages**: the page each (sequence, KV head) is appending to keeps its refinement planes ``[h, W)`` on the
+  device until it is full (K in ``k_open[l]``, V in its reserved Value promotion slot).
+- **Host tier**: when a page fills (is sealed), its refinement planes go to ``planekv.tiering.HostTier``, in framed
+  blocks per (sequence, K or V, layer, KV head).
+- **Promotion cache** (device, bounded, LRU): refinement planes brought back for reads. Keys by channel-plane: plane
+  j of channel c over every page of a (sequence, KV head) (``k_promo[l]`` [slots, pages per sequence, P/8],
+  ``k_slot[l]`` [B, Hkv, d, W - h_K]); Values by page (``v_promo[l]`` [slots, W - h_V, P, d/8], ``v_slot[l]``
+  [pages]).
+
+``residency(layer)`` says what can be read now; ``read_k`` / ``read_v`` return code prefixes like
+``PlaneKVCache``'s and refuse a depth past it (never a wrong value), so ``planekv.kvstore.reference.readkv_decode``
+reads a TieredCache as it reads a PlaneKVCache, within its residency. With ``h = W`` nothing is tiered.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..kvstore import FormatSpec, PlaneKVError, Residency
+from ..kvstore.errors import CacheFull, FormatMismatch
+from ..kvstore.planes import _planes_to_codes, plane_bits, unpack_bits, v_planes, write_k_planes, write_v_planes
+from .host_tier import HostTier
+from .placement import PlacementPolicy
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes held per place (capacity counted whole: allocated pools, not their fill)."""
+
+    hot: int  # hot pools of every layer
+    open: int  # open pages' Key refinement planes (their Value ones are in promotion slots)
+    promotion: int  # the promotion cache, K and V, every layer
+    host: int  # the host tier's blocks
+
+    @property
+    def device(self) -> int:
+        return self.hot + self.open + self.promotion
+
+
+class _Lru:
+    """Slots 0..n-1 handed out least recently used first; pinned slots are never taken back."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n - 1, -1, -1))
+        self.order: OrderedDict[int, object] = OrderedDict()  # slot -> owner, oldest first
+        self.pinned: set[int] = set()
+
+    def touch(self, slot: int) -> None:
+        self.order.move_to_end(slot)
+
+    def take(self, owner: object) -> tuple[int, object | None]:
+        """A slot for ``owner`` and the owner evicted from it (None if the slot was free); (-1, None) if every
+        slot is pinned."""
+        if self.free:
+            slot = self.free.pop()
+            self.order[slot] = owner
+            return slot, None
+        for slot, old in self.order.items():
+            if slot not in self.pinned:
+                del self.order[slot]
+                self.order[slot] = owner
+                return slot, old
+        return -1, None
+
+    def release(self, slot: int) -> None:
+        self.order.pop(slot, None)
+        self.pinned.discard(slot)
+        self.free.append(slot)
+
+
+class TieredCache:
+    """Hot planes on the device, refinement planes of sealed pages in the host tier, a promotion cache between."""
+
+    def __init__(self, spec: FormatSpec, batch_size: int, placement: PlacementPolicy, max_tokens: int,
+                 device: torch.device | str = "cpu", hot_bytes: int | None = None, promotion_bytes: int = 64 * MiB,
+                 host_bytes: int | None = None, k_promotion_share: float = 0.5,
+                 sequence_ids: list[str] | None = None) -> None:
+        if batch_size < 1 or max_tokens < 1:
+            raise ValueError(f"batch_size and max_tokens must be >= 1, got {batch_size} and {max_tokens}")
+        placement.check_format(spec.n_layers, spec.width)
+        if placement.format_id is not None and placement.format_id != spec.format_id:
+            raise FormatMismatch(f"placement policy is for format {placement.format_id}, the cache's format is "
+                                 f"{spec.format_id}")
+        if not 0.0 <= k_promotion_share <= 1.0 or promotion_bytes < 0:
+            raise ValueError(f"k_promotion_share must be in [0, 1] and promotion_bytes >= 0, got "
+                             f"{k_promotion_share} and {promotion_bytes}")
+        self.spec = spec
+        self.batch_size = batch_size
+        self.placement = placement
+        self.device = torch.device(device)
+        self.max_tokens = max_tokens
+        self.sequence_ids = sequence_ids or [f"s{b}" for b in range(batch_size)]
+        if len(self.sequence_ids) != batch_size or len(set(self.sequence_ids)) != batch_size:
+            raise ValueError(f"sequence_ids must be {batch_size} distinct ids, got {self.sequence_ids}")
+        w, d, p, g, hk_n, L = spec.width, spec.head_dim, spec.page_size, spec.v_run, spec.n_kv_heads, spec.n_layers
+        self.hot_k = [placement.hot(layer).k for layer in range(L)]
+        self.hot_v = [placement.hot(layer).v for layer in range(L)]
+        for layer, hv in enumerate(self.hot_v):
+            if hv % g:
+                raise ValueError(f"layer {layer}: {hv} hot Value planes are not a whole number of V runs of {g} "
+                                 "planes (FormatSpec.v_run); choose a multiple of it")
+        self.max_slots = math.ceil(max_tokens / p)  # pages per (sequence, KV head)
+        self.k_row = p // 8  # bytes of one (plane, channel) row of a K page
+        self.v_row = d // 8  # bytes of one (plane, token) row of a V page
+        page_hot = sum((hk * d * self.k_row) + (hv * p * self.v_row) for hk, hv in zip(self.hot_k, self.hot_v,
+                                                                                       strict=True))
+        need = batch_size * hk_n * self.max_slots
+        if hot_bytes is None:
+            self.max_pages = need
+        else:
+            self.max_pages = hot_bytes // max(1, page_hot)
+            if self.max_pages < 1:
+                raise ValueError(f"a hot-pool budget of {hot_bytes} bytes holds no page: one page's hot planes "
+                                 f"take {page_hot} bytes over {L} layers; raise the budget or lower h")
+        self.hot_page_bytes = page_hot
+        dev = self.device
+        n0 = min(self.max_pages, max(1, batch_size * hk_n))
+        self.k_hot = [torch.zeros(n0, hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
+        self.v_hot = [torch.zeros(n0, *self._v_shape(hv), dtype=torch.uint8, device=dev) for hv in self.hot_v]
+        n_open = batch_size * hk_n  # one open page per (sequence, KV head)
+        self.k_open = [torch.zeros(n_open, w - hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
+        # promotion: per layer, Key channel-plane vectors and Value pages (the open pages' slots reserved first)
+        per_layer = promotion_bytes // L
+        k_vec = self.max_slots * self.k_row
+        self.k_promo, self.v_promo, self.k_slot, self.v_slot = [], [], [], []
+        self._k_lru, self._v_lru = [], []
+        for hk, hv in zip(self.hot_k, self.hot_v, strict=True):
+            n_k = int(per_layer * k_promotion_share) // k_vec if hk < w else 0
+            v_page = (w - hv) * p * self.v_row
+            n_v = n_open + (int(per_layer * (1 - k_promotion_share)) // v_page if hv < w else 0)
+            self.k_promo.append(torch.zeros(n_k, self.max_slots, self.k_row, dtype=torch.uint8, device=dev))
+            self.v_promo.append(torch.zeros(n_v, *self._v_shape(w - hv), dtype=torch.uint8, device=dev))
+            self.k_slot.append(torch.full((batch_size, hk_n, d, w - hk), -1, dtype=torch.int32))
+            self.v_slot.append(torch.full((n0,), -1, dtype=torch.int32))
+            lru = _Lru(n_v)
+            lru.free = [s for s in lru.free if s >= n_open]  # slots 0..n_open-1: the open pages
+            self._v_lru.append(lru)
+            self._k_lru.append(_Lru(n_k))
+        self.host = HostTier(spec.format_id, (16 << 30) if host_bytes is None else host_bytes,
+                             placement.block_bytes, pinned=self.device.type == "cuda")
+        self.page_table = torch.full((batch_size, hk_n, 0), -1, dtype=torch.int64)
+        self.lengths = torch.zeros((L, batch_size), dtype=torch.int64)
+        self._free = list(range(n0 - 1, -1, -1))
+        self.counters = {"k_promoted": 0, "v_promoted": 0, "k_evicted": 0, "v_evicted": 0, "sealed": 0}
+
+    # ---- shapes and bytes ----
+
+    def _v_shape(self, n_planes: int) -> tuple[int, ...]:
+        p, g, nb = self.spec.page_size, self.spec.v_run, self.v_row
+        return (n_planes, p, nb) if g == 1 else (n_planes // g, p, g, nb)
+
+    def bytes(self) -> TierBytes:
+        def total(ts: list[torch.Tensor]) -> int:
+            return sum(t.numel() for t in ts)
+
+        return TierBytes(hot=total(self.k_hot) + total(self.v_hot), open=total(self.k_open),
+                         promotion=total(self.k_promo) + total(self.v_promo), host=self.host.used_bytes)
+
+    @property
+    def n_pages(self) -> int:
+        return self.k_hot[0].shape[0]
+
+    # ---- pages ----
+
+    def _grow(self, need: int) -> None:
+        old = self.n_pages
+        new = min(max(2 * old, old + need), self.max_pages)
+        if new - old < need:
+            raise CacheFull(f"the hot pool holds {self.max_pages} pages ({self.hot_page_bytes} bytes each over every "
+                            f"layer); {need} more are needed: raise its byte budget or lower the hot planes")
+        for i in range(self.spec.n_layers):
+            self.k_hot[i] = torch.cat([self.k_hot[i], self.k_hot[i].new_zeros((new - old, *self.k_hot[i].shape[1:]))])
+            self.v_hot[i] = torch.cat([self.v_hot[i], self.v_hot[i].new_zeros((new - old, *self.v_hot[i].shape[1:]))])
+            self.v_slot[i] = torch.cat([self.v_slot[i], torch.full((new - old,), -1, dtype=torch.int32)])
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def _ensure_pages(self, b: int, n_slots: int) -> None:
+        if n_slots > self.max_slots:
+            raise CacheFull(f"sequence {b} would hold {n_slots} pages; the cache was made for {self.max_tokens} "
+                            f"tokens ({self.max_slots} pages)")
+        have = self.page_table.shape[2]
+        if n_slots > have:
+            pad = torch.full((self.batch_size, self.spec.n_kv_heads, n_slots - have), -1, dtype=torch.int64)
+            self.page_table = torch.cat([self.page_table, pad], 2)
+        missing = (self.page_table[b, :, :n_slots] < 0).nonzero().tolist()
+        if len(missing) > len(self._free):
+            self._grow(len(missing) - len(self._free))
+        for h, s in missing:
+            self.page_table[b, h, s] = self._free.pop()
+
+    def free(self, b: int) -> None:
+        """Release sequence b: its pages, open buffers, promotion slots and host-tier blocks."""
+        pages = self.page_table[b][self.page_table[b] >= 0].unique()
+        hk_n = self.spec.n_kv_heads
+        for i in range(self.spec.n_layers):
+            if pages.numel():
+                idx = pages.to(self.device)
+                self.k_hot[i][idx] = 0
+                self.v_hot[i][idx] = 0
+                for s in self.v_slot[i][pages].tolist():
+                    if s >= 0:
+                        self.v_promo[i][s] = 0
+                        if s >= self.batch_size * hk_n:
+                            self._v_lru[i].release(s)
+                self.v_slot[i][pages] = -1
+            for s in self.k_slot[i][b][self.k_slot[i][b] >= 0].tolist():
+                self.k_promo[i][s] = 0
+                self._k_lru[i].release(s)
+            self.k_slot[i][b] = -1
+            self.k_open[i][b * hk_n: (b + 1) * hk_n] = 0
+            self.v_promo[i][b * hk_n: (b + 1) * hk_n] = 0
+        self._free.extend(pages.tolist())
+        self.page_table[b] = -1
+        self.lengths[:, b] = 0
+        self.host.drop_sequence(self.sequence_ids[b])
+
+    # ---- write path ----
+
+    def length(self, layer: int, b: int) -> int:
+        return int(self.lengths[layer, b])
+
+    def check_format(self, format_id: str) -> None:
+        if format_id != self.spec.format_id:
+            raise FormatMismatch(f"cache holds format {self.spec.format_id}; the reader uses {format_id}."
+                                 " Read it with the codec of the format it was written under")
+
+    def append(self, layer: int, k_codes: torch.Tensor, v_codes: torch.Tensor, seq: int | None = None) -> None:
+        """Append codes [B, Hkv, n, d] for every sequence (or [Hkv, n, d] for sequence ``seq``), as
+        PlaneKVCache.append; a page that fills is sealed (its refinement planes go to the host tier)."""
+        if seq is None:
+            if k_codes.dim() != 4 or k_codes.shape[0] != self.batch_size:
+                raise ValueError(f"expected codes [{self.batch_size}, Hkv, n, d], got {tuple(k_codes.shape)}")
+            for b in range(self.batch_size):
+                self.append(layer, k_codes[b], v_codes[b], seq=b)
+            return
+        spec = self.spec
+        exp = (spec.n_kv_heads, spec.head_dim)
+        if k_codes.shape != v_codes.shape or k_codes.dim() != 3 or (k_codes.shape[0], k_codes.shape[2]) != exp:
+            raise ValueError(f"expected K and V codes [{exp[0]}, n, {exp[1]}], got "
+                             f"{tuple(k_codes.shape)} and {tuple(v_codes.shape)}")
+        if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
+            raise TypeError("codes must be uint8 (encode with Codec.encode_k / encode_v first)")
+        if (k_codes >> spec.width).any() or (v_codes >> spec.width).any():
+            raise ValueError(f"codes exceed W = {spec.width} bits")
+        p = spec.page_size
+        start, n = self.length(layer, seq), k_codes.shape[1]
+        if n == 0:
+            return
+        self._ensure_pages(seq, -(-(start + n) // p))
+        done = 0
+        while done < n:  # page by page: a page that fills is sealed before the next one opens
+            pos = start + done
+            m = min(n - done, p - pos % p)
+            self._write(layer, seq, pos, k_codes[:, done: done + m], v_codes[:, done: done + m])
+            done += m
+            self.lengths[layer, seq] += m
+            if (pos + m) % p == 0:
+                self._seal(layer, seq, (pos + m) // p - 1)
+
+    def _write(self, layer: int, b: int, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
+        """Tokens pos.. of one page of sequence b: hot planes to the hot pool, refinement planes to the open
+        buffers and to every promoted Key channel-plane of the head."""
+        spec, dev = self.spec, self.device
+        w, p, hk_n = spec.width, spec.page_size, spec.n_kv_heads
+        hk, hv = self.hot_k[layer], self.hot_v[layer]
+        m = kc.shape[1]
+        slot, off0 = pos // p, pos % p
+        off = torch.arange(off0, off0 + m, device=dev)
+        pages = self.page_table[b, :, slot].to(dev)[:, None].expand(hk_n, m)  # [Hkv, m]
+        opened = torch.arange(b * hk_n, (b + 1) * hk_n, device=dev)[:, None].expand(hk_n, m)
+        kbits = plane_bits(kc.to(dev), w)  # [Hkv, m, d, W]
+        vbits = plane_bits(vc.to(dev), w)
+        write_k_planes(self.k_hot[layer], pages, off, kbits[..., :hk])
+        write_v_planes(self.v_hot[layer], pages, off, vbits[..., :hv], spec.v_run)
+        if hk < w:
+            write_k_planes(self.k_open[layer], opened, off, kbits[..., hk:])
+            promoted = (self.k_slot[layer][b] >= 0).nonzero().tolist()  # (h, c, j - hk) of the head's promoted planes
+            if promoted:
+                idx = torch.tensor(promoted, device=dev)
+                slots = self.k_slot[layer][b][idx[:, 0], idx[:, 1], idx[:, 2]].long().to(dev)
+                bits = kbits[idx[:, 0], :, idx[:, 1], hk + idx[:, 2]]  # [promoted, m]
+                flat = (slots[:, None] * self.max_slots + slot) * self.k_row + (off // 8)[None, :]
+                vals = bits << (off % 8).to(torch.uint8)[None, :]
+                self.k_promo[layer].view(-1).index_put_((flat.reshape(-1),), vals.reshape(-1), accumulate=True)
+        if hv < w:
+            write_v_planes(self.v_promo[layer], opened, off, vbits[..., hv:], spec.v_run)
+            self.v_slot[layer][self.page_table[b, :, slot]] = opened[:, 0].int().cpu()
+
+    def _seal(self, layer: int, b: int, slot: int) -> None:
+        """Page ``slot`` of sequence b is full in ``layer``: its refinement planes go to the host tier; its Value
+        refinement planes stay promoted in a free slot if there is one (the most recent pages)."""
+        w, hk_n = self.spec.width, self.spec.n_kv_heads
+        hk, hv = self.hot_k[layer], self.hot_v[layer]
+        seq = self.sequence_ids[b]
+        for h in range(hk_n):
+            o = b * hk_n + h
+            page = int(self.page_table[b, h, slot])
+            if hk < w:
+                self.host.put_page((seq, "k", layer, h), slot, (hk, w), self.k_open[layer][o])
+                self.k_open[layer][o] = 0
+            if hv < w:
+                self.host.put_page((seq, "v", layer, h), slot, (hv, w), self.v_promo[layer][o])
+                kept, old = self._v_lru[layer].take(page)
+                if kept >= 0:
+                    if old is not None:
+                        self._evict_v(layer, int(old))
+                    self.v_promo[layer][kept] = self.v_promo[layer][o]
+                self.v_slot[layer][page] = kept
+                self.v_promo[layer][o] = 0
+        self.counters["sealed"] += 1
+
+    def _evict_v(self, layer: int, page: int) -> None:
+        self.v_slot[layer][page] = -1
+        self.counters["v_evicted"] += 1
+
+    # ---- promotion ----
+
+    def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
+        """Bring the refinement planes of sealed pages (sequence b, KV head h, page slot s) back to the device,
+        least recently used slots first; returns how many were brought (already resident ones are touched)."""
+        if self.hot_v[layer] == self.spec.width:
+            return 0
+        lru, n = self._v_lru[layer], 0
+        for b, h, s in pages:
+            page = int(self.page_table[b, h, s])
+            if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
+                continue  # no such page, or the open one (always resident)
+            cur = int(self.v_slot[layer][page])
+            if cur >= 0:
+                lru.touch(cur)
+                continue
+            slot, old = lru.take(page)
+            if slot < 0:
+                break
+            if old is not None:
+                self._evict_v(layer, int(old))
+            data = self.host.page((self.sequence_ids[b], "v", layer, h), s)
+            self.v_promo[layer][slot] = data.to(self.device, non_blocking=True).view(self.v_promo[layer].shape[1:])
+            self.v_slot[layer][page] = slot
+            n += 1
+        self.counters["v_promoted"] += n
+        return n
+
+    def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
+        """Bring Key channel-planes (sequence b, KV head h, channel c, plane j >= h_K) back to the device, over
+        every page of the head; returns how many were brought."""
+        hk, w = self.hot_k[layer], self.spec.width
+        lru, n = self._k_lru[layer], 0
+        for b, h, c, j in planes:
+            if not hk <= j < w:
+                raise ValueError(f"plane {j} of layer {layer} is not a refinement plane (hot: {hk}, W: {w})")
+            cur = int(self.k_slot[layer][b, h, c, j - hk])
+            if cur >= 0:
+                lru.touch(cur)
+                continue
+            slot, old = lru.take((b, h, c, j))
+            if slot < 0:
+                break
+            if old is not None:
+                ob, oh, oc, oj = old  # type: ignore[misc]
+                self.k_slot[layer][ob, oh, oc, oj - hk] = -1
+                self.counters["k_evicted"] += 1
+            self.k_promo[layer][slot] = self._k_vector(layer, b, h, c, j)
+            self.k_slot[layer][b, h, c, j - hk] = slot
+            n += 1
+        self.counters["k_promoted"] += n
+        return n
+
+    def _k_vector(self, layer: int, b: int, h: int, c: int, j: int) -> torch.Tensor:
+        """Plane j of channel c over every page of (b, h): sealed pages from the host tier, the open one from its
+        buffer; [max_slots, P/8]."""
+        hk, w, d, p = self.hot_k[layer], self.spec.width, self.spec.head_dim, self.spec.page_size
+        out = torch.zeros(self.max_slots, self.k_row, dtype=torch.uint8)
+        t = self.length(layer, b)
+        sealed = t // p
+        stream = (self.sequence_ids[b], "k", layer, h)
+        for s in range(sealed):
+            out[s] = self.host.page(stream, s).view(w - hk, d, self.k_row)[j - hk, c]
+        if t % p:
+            out[sealed] = self.k_open[layer][b * self.spec.n_kv_heads + h, j - hk, c].cpu()
+        return out.to(self.device)
+
+    # ---- residency and reads ----
+
+    def residency(self, layer: int) -> Residency:
+        """What ``layer`` can read now: per Key channel, the hot planes and the promoted ones that follow them;
+        per Value page, W if its refinement planes are on the device (promoted, or the open page), else h_V."""
+        hk, hv, w = self.hot_k[layer], self.hot_v[layer], self.spec.width
+        promoted = (self.k_slot[layer] >= 0).long()  # [B, Hkv, d, W - hk]
+        k_depth = hk + promoted.cumprod(-1).sum(-1)
+        pt = self.page_table
+        on = torch.where(pt >= 0, self.v_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
+        v_depth = torch.where(on, w, hv).to(torch.int64)
+        return Residency(k_depth.to(torch.int64), v_depth)
+
+    def _k_pages(self, layer: int, b: int, top: int, depth: torch.Tensor) -> torch.Tensor:
+        """The head's K pages with planes 0..top-1 assembled: [Hkv, slots, top, d, P/8] (refinement planes from
+        the promotion cache; a depth past the residency refused)."""
+        spec, hk = self.spec, self.hot_k[layer]
+        res = self.residency(layer).k_depth[b]
+        if bool((depth.cpu() > res).any()):
+            raise PlaneKVError(f"layer {layer}, sequence {b}: a Key depth past its residency was asked for (the "
+                               "tiered read caps at the resident depth; promote the planes first)")
+        n_slots = -(-self.length(layer, b) // spec.page_size)
+        pages = self.page_table[b, :, :n_slots].to(self.device)
+        raw = torch.zeros(spec.n_kv_heads, n_slots, top, spec.head_dim, self.k_row, dtype=torch.uint8,
+                          device=self.device)
+        raw[:, :, : min(top, hk)] = self.k_hot[layer][pages][:, :, : min(top, hk)]
+        if top > hk:
+            slots = self.k_slot[layer][b][:, :, : top - hk]  # [Hkv, d, top - hk]
+            on = slots >= 0
+            # [Hkv, d, j, slots, P/8]
+            vec = self.k_promo[layer][slots.clamp_min(0).long().to(self.device)][:, :, :, :n_slots]
+            vec = vec * on.to(self.device)[..., None, None]
+            raw[:, :, hk:] = vec.permute(0, 3, 2, 1, 4)
+        return raw
+
+    def read_k(self, layer: int, b: int, depth: torch.Tensor | int) -> torch.Tensor:
+        """Key code prefixes of sequence b, as PlaneKVCache.read_k (depths within the residency)."""
+        spec = self.spec
+        t = self.length(layer, b)
+        depth_t = torch.as_tensor(depth, device=self.device).expand(spec.n_kv_heads, spec.head_dim)
+        top = int(depth_t.max()) if depth_t.numel() else 0
+        if top == 0 or t == 0:
+            return torch.zeros((spec.n_kv_heads, t, spec.head_dim), dtype=torch.uint8, device=self.device)
+        bits = unpack_bits(self._k_pages(layer, b, top, depth_t))  # [Hkv, slots, top, d, P]
+        keep = torch.arange(top, device=self.device)[None, :, None] < depth_t[:, None, :]
+        bits = bits * keep[:, None, :, :, None].to(torch.uint8)
+        codes = _planes_to_codes(bits.permute(2, 0, 1, 4, 3), spec.width)  # [Hkv, slots, P, d]
+        return codes.reshape(spec.n_kv_heads, -1, spec.head_dim)[:, :t]
+
+    def read_v(self, layer: int, b: int, depth: torch.Tensor | int) -> torch.Tensor:
+        """Value code prefixes of sequence b, as PlaneKVCache.read_v (depths within the residency)."""
+        spec = self.spec
+        hk_n, d, p, hv, w = spec.n_kv_heads, spec.head_dim, spec.page_size, self.hot_v[layer], spec.width
+        t = self.length(layer, b)
+        depth_t = torch.as_tensor(depth, device=self.device).expand(hk_n, t)
+        top = int(depth_t.max()) if depth_t.numel() else 0
+        if top == 0 or t == 0:
+            return torch.zeros((hk_n, t, d), dtype=torch.uint8, device=self.device)
+        if bool((depth_t.cpu() > self.residency(layer).v_depth(b, t, p)).any()):
+            raise PlaneKVError(f"layer {layer}, sequence {b}: a Value depth past its residency was asked for (the "
+                               "tiered read caps at the resident depth; promote the pages first)")
+        n_slots = -(-t // p)
+        pages = self.page_table[b, :, :n_slots]
+        raw = torch.zeros(hk_n, n_slots, w, p, self.v_row, dtype=torch.uint8, device=self.device)
+        raw[:, :, :hv] = v_planes(self.v_hot[layer][pages.to(self.device)], spec.v_run)
+        if hv < w:
+            slots = self.v_slot[layer][pages.clamp_min(0)].long()  # [Hkv, slots]
+            on = (slots >= 0).to(self.device)
+            cold = v_planes(self.v_promo[layer][slots.clamp_min(0).to(self.device)], spec.v_run)
+            raw[:, :, hv:] = cold * on[..., None, None, None]
+        raw = raw[:, :, :top]
+        bits = unpack_bits(raw).permute(0, 1, 3, 2, 4).reshape(hk_n, -1, top, d)[:, :t]  # [Hkv, T, top, d]
+        keep = torch.arange(top, device=self.device)[None, None, :] < depth_t[:, :, None]
+        bits = bits * keep[..., None].to(torch.uint8)
+        return _planes_to_codes(bits.permute(2, 0, 1, 3), spec.width)
+
+    def physical_read_bytes(self, layer: int, b: int, k_depth: torch.Tensor, v_depth: torch.Tensor,
+                            k_refined: torch.Tensor | None = None) -> int:
+        """Bytes a read at these depths touches, counted from the layout as PlaneKVCache counts them."""
+        p = self.spec.page_size
+        n_slots = -(-self.length(layer, b) // p)
+        return int(k_depth.sum()) * n_slots * self.k_row + int(v_depth.sum()) * self.v_row
