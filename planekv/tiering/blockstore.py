@@ -186,6 +186,9 @@ class BlockStore:
         self._lock = threading.Lock()
         self._index: dict[BlockKey, _Entry] = {}
         self._pending: set[BlockKey] = set()
+        # keys with file I/O in flight outside the lock (a spill, a write, a delete), counted: a new
+        # incarnation of such a key must wait, or a late delete of the old one could remove its file
+        self._file_busy: dict[BlockKey, int] = {}
         self._mem_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest first
         self._file_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._mem_used = 0
@@ -278,6 +281,9 @@ class BlockStore:
                                   "DELETE it first or write under a new key")
             if key in self._pending:
                 raise BlockBusy(f"another PUT of block {key} is in flight; retry when it has finished")
+            if key in self._file_busy:
+                raise BlockBusy(f"block {key}'s previous copy is still being written or deleted on the file tier; "
+                                "retry when it has finished")
             plan = self._plan_room_locked(size, to_memory, write_file)
             self._pending.add(key)
         self._emit(plan.events)
@@ -285,9 +291,10 @@ class BlockStore:
         info = BlockInfo(key, size, hdr.checksum, ((MEMORY,) if to_memory else ()) + ((FILE,) if write_file else ()))
         written = committed = False
         try:
-            self._run_spills(plan)
-            for k in plan.file_deletes:
+            for k in plan.file_deletes:  # unpublished already: their files go whatever happens next
                 self._delete_file(k)
+                self._file_io_end(k)
+            self._run_spills(plan)
             if write_file:
                 assert self.file is not None
                 try:
@@ -313,8 +320,11 @@ class BlockStore:
                     self._mem_used -= size
                 if write_file:
                     self._file_used -= size
+                if written:
+                    self._file_io_begin_locked(key)
             if written:
                 self._delete_file(key)
+                self._file_io_end(key)
             if committed and self.listener is not None:
                 self._emit([("remove", info, gen, "undone")])
             raise
@@ -339,8 +349,11 @@ class BlockStore:
                 return False
             on_disk = self._unpublish_locked(e)
             self._counters["deletes"] += 1
+            if on_disk:
+                self._file_io_begin_locked(key)
         if on_disk:
             self._delete_file(key)
+            self._file_io_end(key)
         self._emit([("remove", e.info(), e.gen, "deleted")])
         return True
 
@@ -379,25 +392,29 @@ class BlockStore:
                     lost += 1
                     continue
                 self._file_used += e.size
+                self._file_io_begin_locked(e.key)
             try:
-                self.file.write(e.key, data)
-            except OSError as exc:
-                log.error("could not persist block %s at close: %s", e.key, exc)
+                try:
+                    self.file.write(e.key, data)
+                except OSError as exc:
+                    log.error("could not persist block %s at close: %s", e.key, exc)
+                    with self._lock:
+                        self._file_used -= e.size
+                    lost += 1
+                    continue
                 with self._lock:
-                    self._file_used -= e.size
-                lost += 1
-                continue
-            with self._lock:
-                gone = e.removed
-                if not gone:
-                    e.on_disk = True
-                    self._file_lru[e.key] = e
+                    gone = e.removed
+                    if not gone:
+                        e.on_disk = True
+                        self._file_lru[e.key] = e
+                    else:
+                        self._file_used -= e.size
+                if gone:
+                    self._delete_file(e.key)
                 else:
-                    self._file_used -= e.size
-            if gone:
-                self._delete_file(e.key)
-            else:
-                kept += 1
+                    kept += 1
+            finally:
+                self._file_io_end(e.key)
         log.info("block store closed: %d memory-only blocks written to the file tier, %d did not fit", kept, lost)
 
     # ---- internals (the lock is held where the name says _locked) ----
@@ -411,6 +428,18 @@ class BlockStore:
     def _release(self, e: _Entry) -> None:
         with self._lock:
             e.leases -= 1
+
+    def _file_io_begin_locked(self, key: BlockKey) -> None:
+        """File I/O on ``key`` is about to run outside the lock; a new put of ``key`` waits for it."""
+        self._file_busy[key] = self._file_busy.get(key, 0) + 1
+
+    def _file_io_end(self, key: BlockKey) -> None:
+        with self._lock:
+            n = self._file_busy[key] - 1
+            if n:
+                self._file_busy[key] = n
+            else:
+                del self._file_busy[key]
 
     def _unpublish_locked(self, e: _Entry) -> bool:
         """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted."""
@@ -472,6 +501,7 @@ class BlockStore:
             self._unpublish_locked(e)
             need_file -= e.size
             plan.file_deletes.append(e.key)
+            self._file_io_begin_locked(e.key)
             plan.events.append(("remove", e.info(), e.gen, "evicted"))
             self._counters["evictions_file"] += 1
         for v in drop_copy:
@@ -488,6 +518,7 @@ class BlockStore:
         for v in spills:
             v.leases += 1  # pinned: no other put picks it
             self._file_used += v.size
+            self._file_io_begin_locked(v.key)
             assert v.data is not None
             plan.spills.append((v, v.data))
         if to_memory:
@@ -498,41 +529,49 @@ class BlockStore:
     def _run_spills(self, plan: _Plan) -> None:
         failure: BaseException | None = None
         for v, data in plan.spills:
-            if failure is None:
-                try:
-                    assert self.file is not None
-                    self.file.write(v.key, data)
-                except OSError as exc:
-                    failure = exc
-                    with self._lock:
-                        v.leases -= 1
-                        self._file_used -= v.size
-                    continue
-            else:  # a previous spill failed: unpin the rest untouched
+            try:
+                failure = self._spill_one(v, data, failure)
+            finally:
+                self._file_io_end(v.key)
+        if failure is not None:
+            raise StoreIOError(f"spilling to the file tier failed: {failure}; check the spill directory's disk")
+
+    def _spill_one(self, v: _Entry, data: bytes, failure: BaseException | None) -> BaseException | None:
+        """Write one pinned victim to the file tier (or, after an earlier failure, unpin it untouched);
+        returns the failure so far."""
+        if failure is None:
+            try:
+                assert self.file is not None
+                self.file.write(v.key, data)
+            except OSError as exc:
                 with self._lock:
                     v.leases -= 1
                     self._file_used -= v.size
-                continue
+                return exc
+        else:
             with self._lock:
                 v.leases -= 1
-                if v.removed:  # deleted while spilling: its file must go too
-                    self._file_used -= v.size
-                    delete, event = True, None
-                else:
-                    self.memory.pop(v.key)
-                    self._mem_lru.pop(v.key, None)
-                    self._mem_used -= v.size
-                    v.data = None
-                    v.on_disk = True
-                    self._file_lru[v.key] = v
-                    self._counters["spills"] += 1
-                    delete, event = False, ("change", v.info(), v.gen, "")
-            if delete:
-                self._delete_file(v.key)
-            if event is not None:
-                self._emit([event])
-        if failure is not None:
-            raise StoreIOError(f"spilling to the file tier failed: {failure}; check the spill directory's disk")
+                self._file_used -= v.size
+            return failure
+        with self._lock:
+            v.leases -= 1
+            if v.removed:  # deleted while spilling: its file must go too
+                self._file_used -= v.size
+                delete, event = True, None
+            else:
+                self.memory.pop(v.key)
+                self._mem_lru.pop(v.key, None)
+                self._mem_used -= v.size
+                v.data = None
+                v.on_disk = True
+                self._file_lru[v.key] = v
+                self._counters["spills"] += 1
+                delete, event = False, ("change", v.info(), v.gen, "")
+        if delete:
+            self._delete_file(v.key)
+        if event is not None:
+            self._emit([event])
+        return None
 
     def _delete_file(self, key: BlockKey) -> None:
         if self.file is not None:
@@ -546,10 +585,13 @@ class BlockStore:
             self._counters["corrupt"] += 1
             if e.removed or self._index.get(e.key) is not e:
                 return
-            on_disk = self._unpublish_locked(e)
+            on_disk = self._unpublish_locked(e) and self.file is not None
+            if on_disk:
+                self._file_io_begin_locked(e.key)
         log.error("block %s failed verification on read (%s); discarded", e.key, exc)
-        if on_disk and self.file is not None:
+        if on_disk:
             self._quarantine(e.key)
+            self._file_io_end(e.key)
         self._emit([("remove", e.info(), e.gen, "corrupt")])
 
     def _quarantine(self, key: BlockKey) -> None:
