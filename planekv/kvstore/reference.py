@@ -89,15 +89,9 @@ def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy
                               max_depth=max_depth)
 
 
-def _caps(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy, distortion: list[float],
-          min_depth: int, packet: int, valid: torch.Tensor | None, spent: torch.Tensor | None,
-          max_depth: torch.Tensor | None) -> torch.Tensor:
-    """Per row [M]: the planes an allocation without the residency limit would have taken past ``max_depth``
-    (the increments a tiered read could not serve: its caps)."""
-    if max_depth is None:
-        return torch.zeros(importance.shape[0], dtype=torch.float64)
-    free = _allocate(importance, budget, policy, distortion, min_depth, packet, valid, spent)
-    return (free - max_depth.to(free.device)).clamp_min(0).sum((1, 2)).cpu().double()
+def _past(wanted: torch.Tensor, max_depth: torch.Tensor) -> torch.Tensor:
+    """Per row [M]: the planes of ``wanted`` [M, Hkv, n] past ``max_depth`` (a tiered read's caps)."""
+    return (wanted - max_depth.to(wanted.device)).clamp_min(0).sum((1, 2)).cpu().double()
 
 
 def _codes_for(src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], depths: torch.Tensor) -> torch.Tensor:
@@ -119,8 +113,13 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     callback that receives the depths of a single row ([Hkv, d] for K, [Hkv, T] for V) and returns
     code prefixes read at those depths (the paged decode path). ``k_max`` [Hkv, d] / ``v_max`` [Hkv, T]:
     the deepest depth that can be read per Key channel / Value token (a tiered cache's residency; None:
-    W); the allocations stay within them and count as caps (``stats.extra["k_caps"]`` / ``["v_caps"]``,
-    planes per row) the increments they would have taken past them. Returns out [Hq, M, d] (float32) and
+    W). Nothing past them is read: the allocations stay within them (tier-aware: the budget of an unreadable
+    increment goes to readable ones), sink Keys and Key refinement read each channel at its resident depth.
+    Caps, in bits per row: ``stats.extra["k_caps"]`` (Key channel planes an allocation without the limit
+    would have taken past it, T bits each, and the planes of sink and refined tokens past it, 1 bit per
+    token and channel) and ``["v_caps"]`` (d bits per Value token plane); ``["k_wanted"]`` [M, Hkv, d] /
+    ``["v_wanted"]`` [M, Hkv, T] are the unlimited allocations (what prefetch fetches for the next step) and
+    ``["wanted_bits"]`` [M] the bits the read asked for (read + capped). Returns out [Hq, M, d] (float32) and
     per-row stats.
     """
     spec = codec.spec
@@ -153,11 +152,15 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     if policy.key_refine:  # the channel stage gets (1 - key_refine) of B_K, the rest refines tokens
         bk_stage = torch.maximum(torch.floor(bk.double() * (1.0 - policy.key_refine)).to(torch.int64),
                                  torch.full_like(bk, policy.min_depth_k * d))
-    k_lim = None if k_max is None else k_max.to(torch.int64)[None].expand(m, hk, d)
-    if k_lim is not None and (policy.sink_keys or policy.key_refine):
-        raise ValueError("a read within a residency limit supports neither sink_keys nor key_refine yet")
+    limited = k_max is not None or v_max is not None
+    # the deepest readable Key depth per channel [Hkv, d] (sink and refined tokens are read at it)
+    top = (torch.full((hk, d), policy.width, dtype=torch.int64) if k_max is None else k_max.to(torch.int64).cpu())
+    k_lim = None if k_max is None else top[None].expand(m, hk, d)
     t_dep = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None, max_depth=k_lim)  # [M, Hkv, d]
-    k_caps = _caps(a, bk_stage, policy, dist, policy.min_depth_k, 1, None, None, k_lim)
+    k_wanted = t_dep if k_lim is None else _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None)
+    k_caps = torch.zeros(m, dtype=torch.float64)
+    if k_lim is not None:
+        k_caps = _past(k_wanted, k_lim) * n_tok.double()
     k_codes = _codes_for(k_src, t_dep)[:, :t_max].long()  # [Hkv, T, d]
     n_code = table.shape[1]
     flat = table.reshape(-1)
@@ -188,26 +191,32 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         w = policy.width
         ns = n_tok.clamp(max=policy.sink_keys)  # [M]
         cols = torch.unique(torch.cat([torch.arange(int(s0), int(s0 + k)) for s0, k in zip(starts, ns, strict=True)]))
-        full = _codes_for(k_src, torch.full_like(t_dep, w))[:, cols].long()  # [Hkv, S, d]
-        sink_logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ table[w][full].transpose(1, 2)[:, None]
+        top_d = top.to(dev)
+        full = _codes_for(k_src, top_d[None].expand_as(t_dep))[:, cols].long()  # [Hkv, S, d]
+        at_top = top_d[:, None, :] * n_code + full  # [Hkv, S, d]: flat table index at the resident depth
+        sink_logits = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ flat[at_top].transpose(1, 2)[:, None]
         if kvc:
-            sink_logits += qv @ var_tab[w][full].transpose(1, 2)[:, None]
+            sink_logits += qv @ var_tab.reshape(-1)[at_top].transpose(1, 2)[:, None]
             # the other tokens leave out depth-0 channels' variance (1 each, the same for all of
             # them); leave it out here too so the softmax sees the same shift
             sink_logits -= (qv * (t_dep.permute(1, 0, 2)[:, None] == 0)).sum(-1, keepdim=True)
         in_sink = (cols[None, :] >= starts[:, None]) & (cols[None, :] < (starts + ns)[:, None])  # [M, S]
         cols_d = cols.to(dev)
         logits[..., cols_d] = torch.where(in_sink.to(dev), sink_logits, logits[..., cols_d])
-        extra = ns[:, None].to(torch.float64) * (w - t_dep.cpu()).sum(-1).double()  # [M, Hkv] extra Key bits
+        extra = ns[:, None].to(torch.float64) * (top - t_dep.cpu()).sum(-1).double()  # [M, Hkv] extra Key bits
         sink_bits = extra.sum(1)
+        k_caps += ns.double() * float((w - top).sum())
         spent_v = torch.ceil(extra / d).to(torch.int64)  # in Value planes (d bits each)
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
     refine_bits = torch.zeros(m, dtype=torch.float64)
     refined = None
     if policy.key_refine:
-        full = k_codes if isinstance(k_src, torch.Tensor) else _codes_for(k_src, torch.full_like(t_dep, policy.width))
+        full = k_codes if isinstance(k_src, torch.Tensor) else _codes_for(k_src, top.to(dev)[None].expand_as(t_dep))
         logits, refine_bits, refined = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep,
-                                          (bk - bk_stage) * n_tok, mask, scale, policy, dist)
+                                          (bk - bk_stage) * n_tok, mask, scale, policy, dist,
+                                          None if k_max is None else top)
+        if k_max is not None:  # refined tokens' planes past the resident depth, 1 bit per token and channel
+            k_caps += (refined.sum(-1).cpu().double() * (policy.width - top).sum(-1).double()[:, None]).sum(0)
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
 
@@ -219,7 +228,9 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     v_lim = None if v_max is None else v_max[:, :t_max].to(torch.int64)[None].expand(m, hk, t_max)
     s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v,
                       max_depth=v_lim)  # [M, Hkv, T]
-    v_caps = _caps(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v, v_lim)
+    v_wanted = s_dep if v_lim is None else _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet,
+                                                     valid, spent_v)
+    v_caps = torch.zeros(m, dtype=torch.float64) if v_lim is None else _past(v_wanted, v_lim) * d
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
     out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
     if m == 1:
@@ -248,18 +259,20 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     )
     if refined is not None:
         stats.extra["k_refined"] = refined.cpu()  # [Hkv, M, T] bool: tokens whose Keys were read at depth W
-    if k_max is not None or v_max is not None:
-        stats.extra["k_caps"], stats.extra["v_caps"] = k_caps, v_caps  # [M] planes (Key planes cost T bits)
+    if limited:
+        stats.extra.update(k_caps=k_caps, v_caps=v_caps, k_wanted=k_wanted.cpu(), v_wanted=v_wanted.cpu(),
+                           wanted_bits=stats.k_bits + stats.v_bits + k_caps + v_caps)
     return out, stats
 
 
 def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: torch.Tensor,
                 table: torch.Tensor, codes: torch.Tensor, t_dep: torch.Tensor, budget: torch.Tensor,
-                mask: torch.Tensor, scale: float, policy: ReadPolicy,
-                distortion: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor, scale: float, policy: ReadPolicy, distortion: list[float],
+                top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key refinement (``ReadPolicy.key_refine``): logits [Hkv, G, M, T] (unscaled, from the channel
     depths t_dep [M, Hkv, d]) -> logits with the chosen blocks' tokens read at depth W in every
-    channel, the bits that cost per row [M], and the chosen tokens [Hkv, M, T] (bool).
+    channel (at ``top`` [Hkv, d], the resident depth per channel, under a tiered cache's residency; ``codes``
+    are then read to it), the bits that cost per row [M], and the chosen tokens [Hkv, M, T] (bool).
 
     A token's logit error has variance ``scale^2 sum_c (q~ sigma)_c^2 D(t_c)`` (D: the tree's
     distortion per depth), the same for every token of a head; its effect on the output grows with
@@ -272,13 +285,14 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
     p = torch.softmax((logits * scale).masked_fill(~mask, float("-inf")), dim=-1)
     dtab = torch.tensor(distortion, dtype=torch.float32, device=dev)  # [W + 1]
     t_perm = t_dep.to(dev).permute(1, 0, 2)  # [Hkv, M, d]
-    var = ((qs * qs) * dtab[t_perm][:, None]).sum(-1) * scale * scale  # [Hkv, G, M]
+    gain = dtab[t_perm] if top is None else dtab[t_perm] - dtab[top.to(dev)][:, None, :]  # [Hkv, M, d]
+    var = ((qs * qs) * gain[:, None]).sum(-1) * scale * scale  # [Hkv, G, M]
     imp = (p * p * var[..., None]).sum(1)  # [Hkv, M, T]
     nb = -(-t_max // blk)
     pad = nb * blk - t_max
     imp_b = torch.nn.functional.pad(imp, (0, pad)).view(hk, m, nb, blk).sum(-1)  # [Hkv, M, NB]
     cnt = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).view(m, nb, blk).sum(-1)  # [M, NB]
-    per_tok = (w - t_perm).sum(-1)  # [Hkv, M] bits to refine one token
+    per_tok = (w - t_perm if top is None else top.to(dev)[:, None, :] - t_perm).sum(-1)  # [Hkv, M] bits per token
     cost = (per_tok[:, :, None] * cnt[None]).double()  # [Hkv, M, NB]
     score = torch.where(cost > 0, imp_b.double() / cost.clamp_min(1.0), torch.full_like(cost, -1.0))
     if policy.pool_heads:
@@ -301,7 +315,8 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
     sel_t = sel.repeat_interleave(blk, dim=2)[..., :t_max] & mask[None]  # [Hkv, M, T]
     if not bool(sel_t.any()):
         return logits, bits.cpu(), sel_t
-    full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ table[w][codes].transpose(1, 2)[:, None]
+    kz = table[w][codes] if top is None else table.reshape(-1)[top.to(dev)[:, None, :] * table.shape[1] + codes]
+    full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ kz.transpose(1, 2)[:, None]
     return torch.where(sel_t[:, None], full, logits), bits.cpu(), sel_t
 
 
@@ -311,8 +326,9 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
 
     Planes are read from the pages at the allocated depths only (K after the Key allocation, V
     after the Value allocation). Sequences may have different lengths. With a ``residency`` (a tiered
-    cache's) no depth passes it; the increments that would have are counted in ``stats.extra["k_caps"]`` /
-    ``["v_caps"]`` (planes per sequence).
+    cache's) no depth passes it; the caps are counted per sequence as :func:`readkv_rows` counts them
+    (``stats.extra["k_caps"]``, ``["v_caps"]``, ``["wanted_bits"]``, ``["k_wanted"]`` [B, Hkv, d]) and
+    ``["v_wanted"]`` is a list of [Hkv, T] per sequence.
     """
     cache.check_format(codec.format_id)
     if residency is not None:
@@ -338,8 +354,9 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
     if policy.key_refine:
         stats.extra["k_refined"] = [p.extra["k_refined"][:, 0] for p in parts]  # per sequence [Hkv, T]
     if residency is not None:
-        for key in ("k_caps", "v_caps"):
+        for key in ("k_caps", "v_caps", "wanted_bits", "k_wanted"):
             stats.extra[key] = torch.cat([p.extra[key] for p in parts])
+        stats.extra["v_wanted"] = [p.extra["v_wanted"][0] for p in parts]  # per sequence [Hkv, T]
     return torch.stack(outs), stats
 
 

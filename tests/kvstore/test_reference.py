@@ -585,8 +585,11 @@ def _paged(codec, kc, vc, lengths):
     return cache
 
 
-@pytest.mark.parametrize("policy", [ReadPolicy.flexible(2.0, 0.875), ReadPolicy.flexible(4.0, 0.75),
-                                    ReadPolicy.constrained(2.0)], ids=["flex-r2", "flex-r4", "cons-r2"])
+@pytest.mark.parametrize("policy", [
+    ReadPolicy.flexible(2.0, 0.875), ReadPolicy.flexible(4.0, 0.75), ReadPolicy.constrained(2.0),
+    ReadPolicy.flexible(2.0, 0.875, key_refine=0.3), ReadPolicy.flexible(4.0, 0.75, sink_keys=4,
+                                                                         key_variance_correction=True)],
+    ids=["flex-r2", "flex-r4", "cons-r2", "flex-r2-kr", "flex-r4-sink-kvc"])
 def test_a_full_residency_reads_exactly_as_none(synthetic, policy):
     """Every plane readable (an all-GPU cache): the same depths, bits and output, bit for bit, and no caps."""
     from planekv.kvstore import Residency
@@ -602,6 +605,9 @@ def test_a_full_residency_reads_exactly_as_none(synthetic, policy):
     assert all(torch.equal(a, b) for a, b in zip(st_r.extra["v_depths"], st.extra["v_depths"], strict=True))
     assert torch.equal(st_r.k_bits, st.k_bits) and torch.equal(st_r.v_bits, st.v_bits)
     assert not st_r.extra["k_caps"].any() and not st_r.extra["v_caps"].any()
+    assert torch.equal(st_r.extra["wanted_bits"], st.k_bits + st.v_bits)
+    if policy.key_refine:
+        assert all(torch.equal(a, b) for a, b in zip(st_r.extra["k_refined"], st.extra["k_refined"], strict=True))
 
 
 def test_a_partial_residency_is_never_passed_and_its_caps_are_counted(synthetic):
@@ -628,8 +634,11 @@ def test_a_partial_residency_is_never_passed_and_its_caps_are_counted(synthetic)
     _, st_v = readkv_decode(qq, cache, 0, codec, policy, residency=Residency(full_k, v_page))
     for b, t in enumerate(lengths):
         lim = Residency(k_depth, v_page).v_depth(b, t, codec.spec.page_size)
-        assert st_k.extra["k_caps"][b] == int((free.k_depths[b] - k_depth[b]).clamp_min(0).sum())
-        assert st_v.extra["v_caps"][b] == int((free.extra["v_depths"][b] - lim).clamp_min(0).sum())
+        # caps in bits: a Key channel plane is t bits, a Value token plane d bits
+        assert st_k.extra["k_caps"][b] == t * int((free.k_depths[b] - k_depth[b]).clamp_min(0).sum())
+        assert st_v.extra["v_caps"][b] == d * int((free.extra["v_depths"][b] - lim).clamp_min(0).sum())
+        assert torch.equal(st_k.extra["k_wanted"][b], free.k_depths[b])
+        assert torch.equal(st_v.extra["v_wanted"][b], free.extra["v_depths"][b])
         assert st_k.extra["v_caps"][b] == 0 and st_v.extra["k_caps"][b] == 0
     assert float(st_k.extra["k_caps"].sum()) > 0 and float(st_v.extra["v_caps"].sum()) > 0  # the limits bit
     # both limited
@@ -643,5 +652,48 @@ def test_a_partial_residency_is_never_passed_and_its_caps_are_counted(synthetic)
     assert torch.equal(st.k_bits, torch.minimum(free.k_bits, readable_k)) and bool((st.k_bits < free.k_bits).all())
     assert torch.equal(st.v_bits, free.v_bits)  # the Values' readable room remains
     assert _rel(out, free_out) < 0.2  # a lower-depth read of the same tokens, not another result
+    assert torch.equal(st.extra["wanted_bits"], st.k_bits + st.v_bits + st.extra["k_caps"] + st.extra["v_caps"])
     with pytest.raises(ValueError, match="residency"):
         readkv_decode(qq, cache, 0, codec, policy, residency=Residency(k_depth[:1], v_page[:1]))
+
+
+@pytest.mark.parametrize("extra", [dict(key_refine=0.3), dict(sink_keys=8)], ids=["key-refine", "sink-keys"])
+def test_refined_and_sink_keys_are_read_at_the_resident_depth(synthetic, extra):
+    """Under a residency, Key refinement and sink Keys read each channel at its resident depth (never
+    past it: the cache would refuse), count the planes past it as caps, and the read stays close to the
+    unlimited one."""
+    from planekv.kvstore import Residency
+
+    codec, q, k, v, kc, vc = _setup(synthetic, n_tokens=256, n_rows=2)
+    lengths = [256, 190]
+    cache = _paged(codec, kc, vc, lengths)
+    qq = q.transpose(0, 1)[:2].contiguous()
+    policy = ReadPolicy.flexible(2.0, 0.875, **extra)
+    spec = codec.spec
+    hk, d, w, slots = spec.n_kv_heads, spec.head_dim, spec.width, cache.page_table.shape[2]
+    k_depth = torch.full((2, hk, d), 6, dtype=torch.int64)
+    k_depth[:, :, ::4] = 7
+    res = Residency(k_depth, torch.full((2, hk, slots), w, dtype=torch.int64))
+    asked: list[torch.Tensor] = []
+    read_k = cache.read_k
+
+    def spying_read_k(layer, b, depth):
+        asked.append(torch.as_tensor(depth).expand(hk, d) - k_depth[b])
+        return read_k(layer, b, depth)
+
+    cache.read_k = spying_read_k
+    free_out, _ = readkv_decode(qq, cache, 0, codec, policy)
+    asked.clear()
+    out, st = readkv_decode(qq, cache, 0, codec, policy, residency=res)
+    assert asked and all(int(x.max()) <= 0 for x in asked)  # no plane past the residency was fetched
+    past = (w - k_depth).sum(-1)  # [B, Hkv] planes past the residency per token
+    for b in range(2):
+        if "key_refine" in extra:
+            n_ref = st.extra["k_refined"][b].sum(-1)  # [Hkv] tokens refined per head
+            assert int(n_ref.sum()) > 0
+            assert float(st.extra["k_caps"][b]) >= float((n_ref * past[b]).sum())
+        else:
+            assert float(st.extra["k_caps"][b]) >= 8 * float(past[b].sum())
+    exact = torch.stack([attention(qq[b][:, None], k[:, :t], v[:, :t], torch.tensor([t]))[:, 0]
+                         for b, t in enumerate(lengths)])
+    assert _rel(out, exact) < 1.25 * _rel(free_out, exact)  # resident depths 6-7 of 8 cost little
