@@ -3,10 +3,14 @@ placement policy engine, fetch with deadlines, promotion and prefetch. Builds on
 
 Today: the block frame (:mod:`.frame`), the memory and POSIX file tiers (:mod:`.tiers`) and the
 block store over them (:mod:`.blockstore`), which the store service serves over HTTP; the
-PlacementPolicy document (:mod:`.placement`) that the control plane versions.
+PlacementPolicy document (:mod:`.placement`) that the control plane versions; the tiered cache
+(:mod:`.tiered_cache`: hot planes on the device, sealed pages' refinement planes in the bounded host
+tier of :mod:`.host_tier`, a promotion cache between), prefetch (:mod:`.prefetch`) and the tiered
+decode step of the torch reference (:mod:`.decode`). docs/TIERING.md is the design.
 """
 
 from .blockstore import BlockInfo, BlockListener, BlockStore, Lease, PutResult, StoreStats
+from .decode import tiered_decode_step
 from .errors import (
     BadBlockKey,
     BadMagic,
@@ -21,6 +25,7 @@ from .errors import (
     IndexPublishError,
     StoreFull,
     StoreIOError,
+    TierFull,
     UnknownFrameVersion,
 )
 from .frame import (
@@ -34,12 +39,16 @@ from .frame import (
     iter_frames,
     verify_frame,
 )
+from .host_tier import HostTier
 from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec
+from .prefetch import Prefetcher, PrefetchPlan, StepTally
+from .tiered_cache import TierBytes, TieredCache
 from .tiers import FILE, MEMORY, FileTier, MemoryTier, PosixFileTier
 
 __all__ = [
     "FILE", "FRAME_VERSION", "HEADER_BYTES", "MEMORY", "BadBlockKey", "BadMagic", "BlockBusy", "BlockCorrupt",
-    "BlockError", "BlockExists", "BlockInfo", "BlockKey", "BlockKeyMismatch", "BlockListener", "BlockStore",
+    "BlockError", "BlockExists", "HostTier", "PrefetchPlan", "Prefetcher", "StepTally", "TierBytes", "TierFull",
+    "TieredCache", "tiered_decode_step", "BlockInfo", "BlockKey", "BlockKeyMismatch", "BlockListener", "BlockStore",
     "BlockTooLarge", "ChecksumMismatch", "FileTier", "FrameHeader", "FrameTruncated", "HotPlanes",
     "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PosixFileTier",
     "PutResult", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion", "decode_frame",

@@ -326,6 +326,10 @@ class TieredCache:
 
     # ---- promotion ----
 
+    def promotion_slots(self, layer: int) -> tuple[int, int]:
+        """How many Key channel-planes and sealed Value pages ``layer``'s promotion cache holds."""
+        return self.k_promo[layer].shape[0], self.v_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
+
     def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
         """Bring the refinement planes of sealed pages (sequence b, KV head h, page slot s) back to the device,
         least recently used slots first; returns how many were brought (already resident ones are touched)."""

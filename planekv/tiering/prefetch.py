@@ -1,0 +1,179 @@
+"""Prefetch (docs/TIERING.md): the previous step's importance picks the refinement planes to promote for the next.
+
+Consecutive decode steps attend to similar tokens and read similar Key channels deeply. After a step of one layer,
+its *unlimited* allocations (``stats.extra["k_wanted"]`` [B, Hkv, d] and ``["v_wanted"]``, per sequence [Hkv, T]:
+what the step would have read with every plane resident) say what depth it wanted past the hot planes:
+
+- **Keys**: every channel whose wanted depth passes its hot depth ``h_K`` asks for planes ``[h_K, wanted)``, over
+  every page of its head (a Key channel's depth applies to every token).
+- **Values**: every sealed page whose tokens wanted depth past ``h_V`` asks for its refinement planes; pages are
+  ranked by the planes they asked for beyond ``h_V`` (their demand).
+
+Items already resident are touched first (kept from eviction, least demanded first so the most demanded are the
+most recent); then missing items are brought, most demanded first, up to the per-step limits and never more than
+the free room that does not evict an item this plan just touched. :class:`StepTally` counts what each step wanted
+past the hot planes, what was served from the promotion cache (the hit rate) and what was capped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..kvstore import Residency
+from ..kvstore.stats import ReadStats
+
+
+class PromotionTarget(Protocol):
+    """What prefetch promotes into (a :class:`~planekv.tiering.tiered_cache.TieredCache`)."""
+
+    spec: object
+    hot_k: list[int]
+    hot_v: list[int]
+
+    def residency(self, layer: int) -> Residency: ...
+
+    def promotion_slots(self, layer: int) -> tuple[int, int]: ...
+
+    def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int: ...
+
+    def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int: ...
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """Items to keep (already resident) and to bring, in order: Key channel-planes (b, h, c, j), Value pages
+    (b, h, page slot)."""
+
+    k_keep: list[tuple[int, int, int, int]]
+    k_fetch: list[tuple[int, int, int, int]]
+    v_keep: list[tuple[int, int, int]]
+    v_fetch: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Prefetcher:
+    """Per layer and step, at most ``k_planes_per_step`` Key channel-planes and ``v_pages_per_step`` Value pages
+    are brought (None: as many as the promotion cache holds)."""
+
+    k_planes_per_step: int | None = None
+    v_pages_per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("k_planes_per_step", "v_pages_per_step"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {v}")
+
+    def plan(self, stats: ReadStats, residency: Residency, hot_k: int, hot_v: int, page_size: int,
+             k_slots: int, v_slots: int) -> PrefetchPlan:
+        """What to promote after a step whose stats carry ``k_wanted`` / ``v_wanted`` (a read under ``residency``).
+        ``k_slots`` / ``v_slots``: the promotion cache's capacity (items) for this layer."""
+        if "k_wanted" not in stats.extra:
+            raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
+        k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots)
+        v_keep, v_fetch = self._values(stats.extra["v_wanted"], residency, hot_v, page_size, v_slots)
+        return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch)
+
+    def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int,
+              slots: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
+        """wanted, resident [B, Hkv, d]: channel-planes [hot, wanted) per channel; deepest wants first."""
+        deficit = (wanted - hot).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot ones
+        chans = deficit.nonzero().tolist()
+        chans.sort(key=lambda x: -int(deficit[x[0], x[1], x[2]]))
+        keep, fetch = [], []
+        for b, h, c in chans:
+            r = int(resident[b, h, c])
+            for j in range(hot, int(wanted[b, h, c])):
+                (keep if j < r else fetch).append((b, h, c, j))
+        return keep[::-1], fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
+
+    def _values(self, wanted: list[torch.Tensor], residency: Residency, hot: int, page_size: int,
+                slots: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """wanted: per sequence [Hkv, T]; pages ranked by the planes their tokens asked for past ``hot``."""
+        ranked: list[tuple[float, int, int, int, bool]] = []
+        for b, w_b in enumerate(wanted):
+            hk_n, t = w_b.shape
+            n_sealed = t // page_size  # the open page is always resident
+            if n_sealed == 0:
+                continue
+            demand = (w_b[:, : n_sealed * page_size] - hot).clamp_min(0).view(hk_n, n_sealed, page_size).sum(-1)
+            on = residency.v_page_depth[b, :, :n_sealed] > hot  # [Hkv, sealed]
+            for h, s in demand.nonzero().tolist():
+                ranked.append((float(demand[h, s]), b, h, s, bool(on[h, s])))
+        ranked.sort(key=lambda x: -x[0])
+        keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
+        fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
+        return keep, fetch[: self._room(len(keep), slots, self.v_pages_per_step)]
+
+    @staticmethod
+    def _room(kept: int, slots: int, limit: int | None) -> int:
+        room = max(0, slots - kept)  # bringing more would evict what this plan keeps
+        return room if limit is None else min(room, limit)
+
+    def run(self, target: PromotionTarget, layer: int, stats: ReadStats, residency: Residency) -> PrefetchPlan:
+        """Plan after a step of ``layer`` and promote into ``target``; returns the plan."""
+        k_slots, v_slots = target.promotion_slots(layer)
+        plan = self.plan(stats, residency, target.hot_k[layer], target.hot_v[layer],
+                         target.spec.page_size, k_slots, v_slots)  # type: ignore[attr-defined]
+        target.promote_keys(layer, plan.k_keep + plan.k_fetch)
+        target.promote_values(layer, plan.v_keep + plan.v_fetch)
+        return plan
+
+
+@dataclass
+class StepTally:
+    """Running totals over steps, in bits: asked for (``wanted``), capped, asked for past the hot planes and
+    served from the promotion cache (the hit rate), and items fetched and later used."""
+
+    wanted_bits: float = 0.0
+    capped_bits: float = 0.0
+    beyond_hot_bits: float = 0.0
+    served_bits: float = 0.0
+    fetched: int = 0
+    fetched_used: int = 0
+    steps: int = 0
+    _pending: dict[int, PrefetchPlan] = field(default_factory=dict, repr=False)
+
+    def add(self, layer: int, stats: ReadStats, hot_k: int, hot_v: int, page_size: int) -> None:
+        """Count one step of ``layer`` (stats of a read under a residency)."""
+        ex = stats.extra
+        self.steps += 1
+        self.wanted_bits += float(ex["wanted_bits"].sum())
+        self.capped_bits += float((ex["k_caps"] + ex["v_caps"]).sum())
+        n_tok = stats.tokens.double()  # [B]
+        k_read, k_want = stats.k_depths, ex["k_wanted"]  # [B, Hkv, d]
+        self.beyond_hot_bits += float(((k_want - hot_k).clamp_min(0).sum((1, 2)).double() * n_tok).sum())
+        self.served_bits += float(((torch.minimum(k_read, k_want) - hot_k).clamp_min(0).sum((1, 2)).double()
+                                   * n_tok).sum())
+        d = stats.head_dim
+        for v_read, v_want in zip(ex["v_depths"], ex["v_wanted"], strict=True):
+            self.beyond_hot_bits += d * float((v_want - hot_v).clamp_min(0).sum())
+            self.served_bits += d * float((torch.minimum(v_read, v_want) - hot_v).clamp_min(0).sum())
+        plan = self._pending.pop(layer, None)
+        if plan is not None:  # of the items fetched for this step, those it read
+            self.fetched += len(plan.k_fetch) + len(plan.v_fetch)
+            self.fetched_used += sum(int(k_read[b, h, c]) > j for b, h, c, j in plan.k_fetch)
+            for b, h, s in plan.v_fetch:
+                page = ex["v_depths"][b][h, s * page_size: (s + 1) * page_size]
+                self.fetched_used += int(bool((page > hot_v).any()))
+
+    def fetched_for_next(self, layer: int, plan: PrefetchPlan) -> None:
+        self._pending[layer] = plan
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the bits asked for past the hot planes that were served (1.0 when none were asked for)."""
+        return self.served_bits / self.beyond_hot_bits if self.beyond_hot_bits else 1.0
+
+    @property
+    def cap_rate(self) -> float:
+        """Share of the bits asked for that were capped."""
+        return self.capped_bits / self.wanted_bits if self.wanted_bits else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {"steps": self.steps, "wanted_bits": self.wanted_bits, "capped_bits": self.capped_bits,
+                "cap_rate": self.cap_rate, "beyond_hot_bits": self.beyond_hot_bits, "served_bits": self.served_bits,
+                "hit_rate": self.hit_rate, "fetched": self.fetched, "fetched_used": self.fetched_used}

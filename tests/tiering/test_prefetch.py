@@ -1,0 +1,85 @@
+"""Prefetch: what a step asked for past the hot planes is promoted for the next step of its layer; repeated
+queries converge to the all-resident read; limits and the promotion cache's room hold; the tally adds up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planekv.kvstore import PlaneKVCache, PlaneKVError, ReadPolicy
+from planekv.kvstore.reference import readkv_decode
+from planekv.tiering.decode import tiered_decode_step
+from planekv.tiering.prefetch import Prefetcher, StepTally
+from planekv.tiering.tiered_cache import TieredCache
+from tests.tiering.test_tiered_cache import LENGTHS, _data, _fill, _policy
+
+POLICY = ReadPolicy.flexible(4.0, 0.5)
+
+
+def _caches(promotion_bytes: int = 4 << 20):
+    codec, codes, q = _data()
+    flat = _fill(PlaneKVCache(codec.spec, 2), codes)
+    tiered = _fill(TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=promotion_bytes),
+                   codes)
+    return codec, q, flat, tiered
+
+
+def test_a_repeated_query_converges_to_the_all_resident_read() -> None:
+    """Step 1 caps what is not resident and prefetches what it asked for; by step 3 everything the query wants is
+    resident: no caps, and the output equals the all-GPU read bit for bit."""
+    codec, q, flat, tiered = _caches()
+    want, _ = readkv_decode(q, flat, 0, codec, POLICY)
+    tally, caps = StepTally(), []
+    for _ in range(3):
+        out, st = tiered_decode_step(q, tiered, 0, codec, POLICY, Prefetcher(), tally)
+        caps.append(float((st.extra["k_caps"] + st.extra["v_caps"]).sum()))
+    assert caps[0] > 0 and caps[2] == 0
+    assert torch.equal(out, want)
+    s = tally.summary()
+    assert s["steps"] == 3 and s["fetched"] > 0 and s["fetched_used"] > 0
+    assert s["capped_bits"] == sum(caps) and 0 < s["hit_rate"] < 1 and 0 < s["cap_rate"] < 1
+
+
+def test_prefetch_cuts_caps_on_a_drifting_query_and_keeps_appending() -> None:
+    """Queries that drift a little from step to step, a token appended to every sequence between steps: with
+    prefetch the steps after the first cap much less than without, and most prefetched items are used."""
+    codec, q, _, with_pf = _caches()
+    _, _, _, without = _caches()
+    torch.manual_seed(0)
+    qs = [q + 0.1 * q.std() * torch.randn_like(q) for _ in range(4)]
+    kc, vc = (torch.randint(0, 256, (2, codec.spec.n_kv_heads, 1, codec.spec.head_dim), dtype=torch.uint8)
+              for _ in range(2))
+    tallies = StepTally(), StepTally()
+    for step, qq in enumerate(qs):
+        for cache, tally, pf in ((with_pf, tallies[0], Prefetcher()), (without, tallies[1], None)):
+            if step:
+                cache.append(0, kc, vc)
+            if step == 1:
+                tally.__init__()  # count from the second step: the first has nothing prefetched
+            tiered_decode_step(qq, cache, 0, codec, POLICY, pf, tally)
+    got, base = tallies[0].summary(), tallies[1].summary()
+    assert got["capped_bits"] < 0.5 * base["capped_bits"]
+    assert got["hit_rate"] > base["hit_rate"] and got["fetched_used"] >= 0.5 * got["fetched"]
+    assert with_pf.length(0, 0) == LENGTHS[0] + 3
+
+
+def test_limits_and_the_cache_room_bound_what_is_brought() -> None:
+    codec, q, flat, tiered = _caches(promotion_bytes=4 * 3 * 1536)  # a layer: 3 Value pages, 72 Key channel-planes
+    res = tiered.residency(0)
+    _, st = readkv_decode(q, tiered, 0, codec, POLICY, residency=res)
+    k_slots, v_slots = tiered.promotion_slots(0)
+    assert (k_slots, v_slots) == (72, 3)
+    cached = Prefetcher().plan(st, res, 4, 2, 64, k_slots, v_slots)
+    assert len(cached.v_keep) == 3 and not cached.v_fetch  # bringing more would evict what the plan keeps
+    full = Prefetcher().plan(st, res, 4, 2, 64, 1000, 1000)  # a larger cache: everything asked for
+    assert len(full.k_fetch) > k_slots and full.v_fetch and full.v_keep == cached.v_keep
+    assert cached.k_fetch == full.k_fetch[:k_slots]  # the deepest-wanted channels first
+    few = Prefetcher(k_planes_per_step=3, v_pages_per_step=1).plan(st, res, 4, 2, 64, 1000, 1000)
+    assert few.k_fetch == full.k_fetch[:3] and few.v_fetch == full.v_fetch[:1]
+    with pytest.raises(ValueError, match="v_pages_per_step"):
+        Prefetcher(v_pages_per_step=-1)
+    with pytest.raises(PlaneKVError, match="past its residency"):  # the tiered cache refuses an unlimited read
+        readkv_decode(q, tiered, 0, codec, POLICY)
+    _, plain = readkv_decode(q, flat, 0, codec, POLICY)
+    with pytest.raises(ValueError, match="under a residency"):
+        Prefetcher().plan(plain, res, 4, 2, 64, k_slots, v_slots)
