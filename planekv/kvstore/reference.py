@@ -89,6 +89,18 @@ def _allocate(importance: torch.Tensor, budget: torch.Tensor, policy: ReadPolicy
                               max_depth=max_depth)
 
 
+def _within(wanted: torch.Tensor, limit: torch.Tensor | None, policy: ReadPolicy,
+            allocate_within: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The depths a read under a residency ``limit`` uses: the all-resident allocation ``wanted`` capped at the
+    limit, or with ``policy.tier_aware`` an allocation within the limit (the budget of an unreadable increment
+    goes to readable ones)."""
+    if limit is None:
+        return wanted
+    if policy.tier_aware:
+        return allocate_within(limit)
+    return torch.minimum(wanted, limit.to(wanted.device))
+
+
 def _past(wanted: torch.Tensor, max_depth: torch.Tensor) -> torch.Tensor:
     """Per row [M]: the planes of ``wanted`` [M, Hkv, n] past ``max_depth`` (a tiered read's caps)."""
     return (wanted - max_depth.to(wanted.device)).clamp_min(0).sum((1, 2)).cpu().double()
@@ -113,8 +125,9 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     callback that receives the depths of a single row ([Hkv, d] for K, [Hkv, T] for V) and returns
     code prefixes read at those depths (the paged decode path). ``k_max`` [Hkv, d] / ``v_max`` [Hkv, T]:
     the deepest depth that can be read per Key channel / Value token (a tiered cache's residency; None:
-    W). Nothing past them is read: the allocations stay within them (tier-aware: the budget of an unreadable
-    increment goes to readable ones), sink Keys and Key refinement read each channel at its resident depth.
+    W). Nothing past them is read: the depths the allocations choose are capped at them (with
+    ``policy.tier_aware`` the allocations stay within them instead, so that the budget of an unreadable
+    increment goes to readable ones); sink Keys and Key refinement read each channel at its resident depth.
     Caps, in bits per row: ``stats.extra["k_caps"]`` (Key channel planes an allocation without the limit
     would have taken past it, T bits each, and the planes of sink and refined tokens past it, 1 bit per
     token and channel) and ``["v_caps"]`` (d bits per Value token plane); ``["k_wanted"]`` [M, Hkv, d] /
@@ -156,8 +169,9 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     # the deepest readable Key depth per channel [Hkv, d] (sink and refined tokens are read at it)
     top = (torch.full((hk, d), policy.width, dtype=torch.int64) if k_max is None else k_max.to(torch.int64).cpu())
     k_lim = None if k_max is None else top[None].expand(m, hk, d)
-    t_dep = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None, max_depth=k_lim)  # [M, Hkv, d]
-    k_wanted = t_dep if k_lim is None else _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None)
+    k_wanted = _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1, None)  # [M, Hkv, d], all resident
+    t_dep = _within(k_wanted, k_lim, policy, lambda lim: _allocate(a, bk_stage, policy, dist, policy.min_depth_k, 1,
+                                                                   None, max_depth=lim))
     k_caps = torch.zeros(m, dtype=torch.float64)
     if k_lim is not None:
         k_caps = _past(k_wanted, k_lim) * n_tok.double()
@@ -226,10 +240,9 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         b = b * (sig_v * sig_v).sum(-1)[None, :, None]
     valid = mask[:, None, :].expand(m, hk, t_max)
     v_lim = None if v_max is None else v_max[:, :t_max].to(torch.int64)[None].expand(m, hk, t_max)
-    s_dep = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v,
-                      max_depth=v_lim)  # [M, Hkv, T]
-    v_wanted = s_dep if v_lim is None else _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet,
-                                                     valid, spent_v)
+    v_wanted = _allocate(b, bv, policy, dist, policy.min_depth_v, policy.v_packet, valid, spent_v)  # [M, Hkv, T]
+    s_dep = _within(v_wanted, v_lim, policy, lambda lim: _allocate(b, bv, policy, dist, policy.min_depth_v,
+                                                                   policy.v_packet, valid, spent_v, max_depth=lim))
     v_caps = torch.zeros(m, dtype=torch.float64) if v_lim is None else _past(v_wanted, v_lim) * d
     v_codes = _codes_for(v_src, s_dep)[:, :t_max].long()
     out = mu_v[:, None, None, :] * p.sum(-1, keepdim=True)  # [Hkv, G, M, d]
