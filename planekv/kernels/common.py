@@ -185,6 +185,48 @@ def _pack_planes(p0, STRIDE: tl.constexpr, NPL: tl.constexpr, depth, MASKED: tl.
     return lo, hi
 
 
+@triton.jit
+def _pack_planes_split(p_hot, p_cold, STRIDE: tl.constexpr, NPL: tl.constexpr, HOT: tl.constexpr, depth,
+                       VG: tl.constexpr = 1, ROW: tl.constexpr = 0):
+    """:func:`_pack_planes` (MASKED) of a tiered V page: planes j < HOT at ``p_hot``'s, the refinement planes
+    j >= HOT at ``p_cold``'s (plane j - HOT there, the promotion cache's page). ``depth`` never passes what is
+    resident (the caller caps it), so a load from ``p_cold`` happens only where that page is promoted."""
+    lo = tl.zeros(p_hot.shape, dtype=tl.uint32)
+    hi = tl.zeros(p_hot.shape, dtype=tl.uint32)
+    for j in tl.static_range(NPL):
+        if j < HOT:
+            bj = tl.load(p_hot + _vj(j, STRIDE, VG, ROW), mask=depth > j, other=0).to(tl.uint32)
+        else:
+            bj = tl.load(p_cold + _vj(j - HOT, STRIDE, VG, ROW), mask=depth > j, other=0).to(tl.uint32)
+        if j < 4:
+            lo = lo | (bj << (8 * j))
+        else:
+            hi = hi | (bj << (8 * (j - 4)))
+    return lo, hi
+
+
+@triton.jit
+def _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, STRIDE: tl.constexpr, NPL: tl.constexpr,
+                   HOT: tl.constexpr, NCOLD: tl.constexpr, NB: tl.constexpr, MAXSLOTS: tl.constexpr):
+    """:func:`_pack_planes` (every load runs) of Key channel ``c`` in a tiered cache: planes j < HOT from the hot
+    pool (``kb_ptr + rbase + c * NB``, planes STRIDE apart), planes j >= HOT from the promotion cache's
+    channel-plane vectors: slot ``ks_row[c * NCOLD + j - HOT]`` (``_prep`` capped the channel's depth at the
+    promoted planes, so the slot is there), ``vbase`` = page slot x NB + byte within it."""
+    lo = tl.zeros(rbase.shape, dtype=tl.uint32)
+    hi = tl.zeros(rbase.shape, dtype=tl.uint32)
+    for j in tl.static_range(NPL):
+        if j < HOT:
+            bj = tl.load(kb_ptr + rbase + c * NB + j * STRIDE).to(tl.uint32)
+        else:
+            s = tl.load(ks_row + c * NCOLD + (j - HOT)).to(tl.int64)
+            bj = tl.load(kp_ptr + s * (MAXSLOTS * NB) + vbase).to(tl.uint32)
+        if j < 4:
+            lo = lo | (bj << (8 * j))
+        else:
+            hi = hi | (bj << (8 * (j - 4)))
+    return lo, hi
+
+
 def _u8_tiles_asm(i: int, x: str, y: str, n0: tuple[str, str, str], n1: tuple[str, str, str], b1_type: str = "s8",
                   regs: str = "", pre: str = "") -> str:
     """PTX for M-tile i of a K step of 32: A (rows g / g + 8 = bit 2i / 2i + 1 of the bytes in the words

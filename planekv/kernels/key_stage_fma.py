@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _bytes8, _codes, _load_scalar, _pack_planes
+from ..kvstore.tiered_pools import TieredPools
+from .common import _bytes8, _codes, _load_scalar, _pack_k_tiered, _pack_planes
 from .plan import Step
 from .prep import KSEG
 
@@ -75,17 +76,31 @@ def _key_channel(lo, hi, trow, wp, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc
 
 
 @triton.jit
+def _pack_k(kb_ptr, rbase, c, tier, D: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, TIERED: tl.constexpr,
+            HOT: tl.constexpr, NCOLD: tl.constexpr, MAXSLOTS: tl.constexpr):
+    """Planes 0..T-1 of channel ``c`` for the rows at ``rbase``: from the page pool, or (TIERED, T > HOT) the
+    hot pool and the promotion cache (``tier`` = (promotion vectors, the head's slot row, page slot x NB +
+    byte per row); :func:`_pack_k_tiered`)."""
+    if TIERED and T > HOT:
+        kp_ptr, ks_row, vbase = tier
+        return _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, D * NB, T, HOT, NCOLD, NB, MAXSLOTS)
+    return _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
+
+
+@triton.jit
 def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                 G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, T: tl.constexpr):
+                 G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, T: tl.constexpr, tier=None,
+                 TIERED: tl.constexpr = False, HOT: tl.constexpr = 0, NCOLD: tl.constexpr = 0,
+                 MAXSLOTS: tl.constexpr = 0):
     """The channels kord[start:end] of one depth T: per channel T plane loads per row (the next
     channel's requested before this one's math; the last re-requests itself, an L1 hit), the bit
     transpose (8x8, or 4x8 for T <= 4), 8 lookups in row T of ``tabf`` and 8 x G FMAs."""
     trow = tabf_ptr + T * (1 << W)
     c = _load_scalar(lrow + start) & 0xFF
-    lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
+    lo, hi = _pack_k(kb_ptr, rbase, c, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
     for i in range(start, end):
         c_n = _load_scalar(lrow + tl.minimum(i + 1, end - 1)) & 0xFF
-        lo_n, hi_n = _pack_planes(kb_ptr + rbase + c_n * NB, D * NB, T, 0, False)
+        lo_n, hi_n = _pack_k(kb_ptr, rbase, c_n, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
             lo, hi, trow, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G, T)
         lo = lo_n
@@ -97,7 +112,8 @@ def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, ac
 @triton.jit
 def _key_segment_ch(kb_ptr, rbase, slot, lrow, wrow, tabf_ptr, start, end, acc0, acc1, acc2, acc3, acc4, acc5,
                     acc6, acc7, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NB: tl.constexpr,
-                    T: tl.constexpr, CH: tl.constexpr):
+                    T: tl.constexpr, CH: tl.constexpr, tier=None, TIERED: tl.constexpr = False,
+                    HOT: tl.constexpr = 0, NCOLD: tl.constexpr = 0, MAXSLOTS: tl.constexpr = 0):
     """:func:`_key_segment` CH channels at a time: row r of the program's CH x M rows decodes channel
     kord[i + r // M] for the token row r % M (``slot`` = r // M), so that a program of few token
     rows (small steps: B = 1) keeps CH channels' loads in flight instead of one. Past the segment's
@@ -107,7 +123,7 @@ def _key_segment_ch(kb_ptr, rbase, slot, lrow, wrow, tabf_ptr, start, end, acc0,
         ci = i + slot
         live = ci < end
         c = tl.load(lrow + tl.minimum(ci, end - 1)) & 0xFF
-        lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
+        lo, hi = _pack_k(kb_ptr, rbase, c, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
         z = tl.load(trow + _codes(lo, hi, T))  # [R, 8]
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_channel(
             z, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G, live, True)
@@ -124,7 +140,8 @@ def _slot_sum(acc, CH: tl.constexpr, M: tl.constexpr):
 def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, tabf_ptr, logit_ptr,
                  mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                 P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr, CH: tl.constexpr = 1):
+                 P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr, CH: tl.constexpr = 1, kp_ptr=None,
+                 ks_ptr=None, TIERED: tl.constexpr = False, HOT: tl.constexpr = 0, MAXSLOTS: tl.constexpr = 0):
     """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
     (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
     the list of the head's channels of depth t > 0 that ``_prep`` writes (kord; kcnt: KSEG words per
@@ -137,7 +154,10 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     bit-reversed float32 table (``tabf``) and 8 x G float32 FMAs with w = q~ sigma_K (``wf``, G
     contiguous weights per channel). No MMA, no operand shuffles, no
     hi/lo split; float32 throughout, like the reference reader. CH > 1 (KLOOP 0, small steps): CH
-    channels of a segment at a time (:func:`_key_segment_ch`), the slots' sums added at the end."""
+    channels of a segment at a time (:func:`_key_segment_ch`), the slots' sums added at the end. TIERED (a
+    tiered cache): ``kb_ptr`` is the hot pool of HOT planes a page and planes >= HOT come from the promotion
+    cache's channel-plane vectors ``kp_ptr`` [slots, MAXSLOTS, NB] at the slots ``ks_ptr`` [B*Hkv, D, W - HOT]
+    (``_prep`` built the channel lists at the resident depths)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -154,7 +174,13 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     byte = mm % NB
     pvalid = pg < n_pages
     page = tl.load(pt_ptr + pid_bh * SLOTS + pg, mask=pvalid, other=0).to(tl.int64)
-    rbase = page * (W * D * NB) + byte  # [R]: plane 0, channel 0 of each row
+    NCOLD: tl.constexpr = W - HOT
+    if TIERED:  # the hot pool: HOT planes a page; the rows' places in a promoted channel-plane vector
+        rbase = page * (HOT * D * NB) + byte
+        tier = (kp_ptr, ks_ptr + pid_bh * (D * NCOLD), tl.where(pvalid, pg, 0).to(tl.int64) * NB + byte)
+    else:
+        rbase = page * (W * D * NB) + byte  # [R]: plane 0, channel 0 of each row
+        tier = None
     q0 = b * HQ + h * G
     acc0 = tl.zeros([R, 8], dtype=tl.float32)
     acc1 = tl.zeros([R, 8], dtype=tl.float32)
@@ -175,11 +201,11 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
                 if CH > 1:
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment_ch(
                         kb_ptr, rbase, rr // M, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3,
-                        acc4, acc5, acc6, acc7, G, D, W, NB, W - tt, CH)
+                        acc4, acc5, acc6, acc7, G, D, W, NB, W - tt, CH, tier, TIERED, HOT, NCOLD, MAXSLOTS)
                 else:
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_segment(
                         kb_ptr, rbase, lrow, wrow, tabf_ptr, start, start + n_t, acc0, acc1, acc2, acc3, acc4,
-                        acc5, acc6, acc7, G, D, W, NB, W - tt)
+                        acc5, acc6, acc7, G, D, W, NB, W - tt, tier, TIERED, HOT, NCOLD, MAXSLOTS)
             start += n_t
     else:  # kord in channel order (neighbouring channels share L1 lines); a branch per depth
         tl.static_assert(CH == 1, "the channel-order walk takes one channel at a time")
@@ -189,7 +215,7 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
             t = ent >> 8
             for tt in tl.static_range(1, W + 1):
                 if t == tt:
-                    lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, tt, 0, False)
+                    lo, hi = _pack_k(kb_ptr, rbase, c, tier, D, NB, tt, TIERED, HOT, NCOLD, MAXSLOTS)
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
                         lo, hi, tabf_ptr + tt * (1 << W), wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5,
                         acc6, acc7, G, tt)
@@ -225,12 +251,16 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
         _key_fma_out(acc7, base_ptr, q0 + 7, logit_ptr, mstat_ptr, sstat_ptr, sidx + 7 * NSPLIT, pos, T, TMAX, scale)
 
 
-def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor) -> None:
+def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+           tiers: TieredPools | None = None) -> None:
     """Grid (B*Hkv, n_splits): logits [B, Hq, T] and each split's softmax maximum and sum. Warps: as many as
-    the program's rows of 8 tokens fill (one row per thread), at most ``num_warps``."""
+    the program's rows of 8 tokens fill (one row per thread), at most ``num_warps``. ``tiers``: a tiered cache's
+    promotion cache (``k_pool`` is then its hot pool)."""
     k, pl, c, ch = st.k, st.plan, st.c, st.ch
     ppk = ch.pages_per_program
+    tier = {} if tiers is None else dict(kp_ptr=tiers.k_promo, ks_ptr=tiers.k_slot, TIERED=True, HOT=tiers.hot_k,
+                                         MAXSLOTS=tiers.k_promo.shape[1])
     _key_stage_f[(pl.batch * k.hk, pl.n_splits)](
         k_pool, page_table, lengths, pl.kord, pl.kcnt, pl.wf, pl.base, c["tabf"], pl.logits, pl.mstat, pl.sstat,
         st.scale, st.slots, pl.max_tokens, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p, PPK=ppk, KLOOP=ch.key_walk,
-        CH=ch.key_channels, num_warps=max(1, min(st.num_warps, ch.key_channels * ppk * k.p // 256)))
+        CH=ch.key_channels, **tier, num_warps=max(1, min(st.num_warps, ch.key_channels * ppk * k.p // 256)))

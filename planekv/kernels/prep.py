@@ -30,14 +30,16 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
           rhist_ptr, ihist_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr, G: tl.constexpr,
           D: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_K: tl.constexpr, HG_PAD: tl.constexpr,
           RHW: tl.constexpr, TWO_PASS: tl.constexpr, KORDER: tl.constexpr, RADIX: tl.constexpr = False,
-          QROWS: tl.constexpr = 0, q_ptr=None, sq_b=0, sq_h=0, sq_d=0, mkT_ptr=None):
+          QROWS: tl.constexpr = 0, q_ptr=None, sq_b=0, sq_h=0, sq_d=0, mkT_ptr=None, kmax_ptr=None):
     """One program per allocation group: HG KV heads of one sequence, N = HG * D channels. With Key
     refinement (RHW > 0 words of refinement histograms per group) those start at zero too. The Key
     allocation's lambda (the count-th largest key) by a bisection over its 31 bits, or with RADIX by
     the 8 radix passes of :func:`_kth_largest` (the same lambda: 8 dependent histograms instead of 32
     dependent counts). QROWS > 0: the group's HG * G transformed queries q~ = q M_K^T are computed here
     first (q of any float dtype at strides sq_*, M_K^T at mkT_ptr; rows padded to QROWS) and stored to
-    qt_ptr for the Key stages that read them, instead of by a copy and a GEMM before the launch."""
+    qt_ptr for the Key stages that read them, instead of by a copy and a GEMM before the launch. ``kmax_ptr``
+    (a tiered cache: int32 [B, Hkv, D], each channel's resident depth): ``kdep`` keeps the allocation's depths,
+    the channel lists the Key stage walks are built at the depths capped there."""
     pid = tl.program_id(0)
     n_groups_b: tl.constexpr = HKV // HG
     b = pid // n_groups_b
@@ -94,6 +96,9 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
     depth = MIN_K + tl.sum(take.to(tl.int32), 0)  # [N]
     dep2 = tl.reshape(depth, [HG_PAD, D])
     tl.store(kdep_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]), dep2, mask=hvalid[:, None])
+    if kmax_ptr is not None:  # a tiered cache: what the Key stage reads is capped at the resident depth
+        dep2 = tl.minimum(dep2, tl.load(kmax_ptr + ((b * HKV + h0 + hh[:, None]) * D + cc[None, :]),
+                                        mask=hvalid[:, None], other=0))
     # each head's channels of depth > 0 as a list (depth << 8 | channel) and its length, for the
     # FMA Key stage, which walks that list only, one segment per depth (deepest first), so that each
     # segment's loop reads exactly t planes with no masks (KSEG words per head: [0] the list's
@@ -129,9 +134,10 @@ def _prep(qt_ptr, sig_ptr, mu_ptr, r_ptr, whi_ptr, wlo_ptr, wf_ptr, base_ptr, kd
 PREP_WARPS = 8  # warps of _prep (one program per allocation group; 8 measured best)
 
 
-def launch(st: Step, q: torch.Tensor) -> None:
+def launch(st: Step, q: torch.Tensor, k_max: torch.Tensor | None = None) -> None:
     """q~ = q M_K^T (inside _prep with fused transforms, else a copy and a GEMM), then ``_prep``: the Key
-    depths, channel lists, weights and base, and the group's histograms zeroed. q: [B, Hq, d], any float."""
+    depths, channel lists, weights and base, and the group's histograms zeroed. q: [B, Hq, d], any float;
+    k_max (a tiered cache's residency): int32 [B, Hkv, d]."""
     k, pl, c, ch = st.k, st.plan, st.c, st.ch
     if ch.fuse_transforms:  # q~ computed by _prep, one group's rows per program
         qrot = dict(QROWS=max(16, next_pow2(k.hg * k.g)), q_ptr=q, sq_b=q.stride(0), sq_h=q.stride(1),
@@ -144,4 +150,4 @@ def launch(st: Step, q: torch.Tensor) -> None:
                         pl.kdep, pl.kord, pl.kcnt, pl.hist, k.count_k, pl.rhist, pl.ihist, HQ=k.hq, HKV=k.hk, HG=k.hg,
                         G=k.g, D=k.d, KS=k.ks_k, KS_PAD=k.kspad_k, MIN_K=k.min_k, HG_PAD=next_pow2(k.hg),
                         RHW=k.rhw if k.refine else 0, TWO_PASS=ch.two_pass, KORDER=ch.key_walk, RADIX=ch.prep_radix,
-                        **qrot, num_warps=PREP_WARPS)
+                        **qrot, **({} if k_max is None else {"kmax_ptr": k_max}), num_warps=PREP_WARPS)

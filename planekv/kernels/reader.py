@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,7 @@ from ..kvstore.accounting import two_stage_workspace_bytes
 from ..kvstore.allocate import step_gains
 from ..kvstore.format import FormatSpec
 from ..kvstore.planes import v_page_shape
+from ..kvstore.tiered_pools import TieredPools
 from . import (
     combine,
     key_stage_fma,
@@ -47,6 +49,17 @@ KEY_STAGES: dict[str, Callable[..., None]] = {"fma": key_stage_fma.launch, "int8
                                               "transpose": key_stage_mma.launch}
 VALUE_STAGES: dict[str, Callable[..., None]] = {"fma": value_stage_fma.launch, "int8": value_stage_int8.launch,
                                                 "compact": value_stage_mma.launch, "tile": value_stage_mma.launch}
+
+
+class TieredSource(Protocol):
+    """A tiered cache as :meth:`TritonReader.decode_tiered` reads it (``planekv.tiering.TieredCache``)."""
+
+    lengths: torch.Tensor  # [L, B]
+    page_table: torch.Tensor  # [B, Hkv, slots]
+
+    def check_format(self, format_id: str) -> None: ...
+
+    def pools(self, layer: int) -> TieredPools: ...
 
 
 def check_v_pool(v_pool: torch.Tensor, spec: FormatSpec) -> None:
@@ -241,11 +254,12 @@ class TritonReader:
 
     def run(self, plan: Plan, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             page_table: torch.Tensor, lengths: torch.Tensor, layer: int, scale: float | None = None,
-            marks: list[tuple[str, torch.cuda.Event]] | None = None) -> torch.Tensor:
+            marks: list[tuple[str, torch.cuda.Event]] | None = None, tiers: TieredPools | None = None) -> torch.Tensor:
         """One decode step: q [B, Hq, d]; k_pool [pages, W, d, P/8] and v_pool [pages, W, P, d/8] (uint8, this
         layer's pools; [pages, W/g, P, g, d/8] with the format's ``v_run`` = g > 1); page_table [B, Hkv, slots]
         (int32); lengths [B] (int32, <= plan.max_tokens). Returns plan.out [B, Hq, d] (float32). Allocates
-        nothing. ``marks`` (profiling only) receives a recorded CUDA event after each stage."""
+        nothing. ``marks`` (profiling only) receives a recorded CUDA event after each stage. ``tiers``: a tiered
+        cache's layer (``k_pool`` / ``v_pool`` are then its hot pools; :meth:`check_tiered`)."""
 
         def mark(name: str) -> None:
             if marks is not None:
@@ -258,7 +272,10 @@ class TritonReader:
         if q.dim() != 3 or q.shape[1:] != (spec.n_q_heads, spec.head_dim) or not q.is_floating_point():
             raise ValueError(f"q must be a float tensor [B, {spec.n_q_heads}, {spec.head_dim}], got "
                              f"{q.dtype} {tuple(q.shape)}")
-        check_v_pool(v_pool, spec)
+        if tiers is None:
+            check_v_pool(v_pool, spec)
+        else:
+            self.check_tiered(plan, tiers, q.shape[0])
         if q.shape[0] != plan.batch:
             raise ValueError(f"batch {q.shape[0]} != planned batch {plan.batch}")
         mark("start")
@@ -272,6 +289,9 @@ class TritonReader:
                   num_warps=cfg.num_warps, gated_splits=cfg.gated_splits, sample_slack=cfg.sample_slack,
                   sample_z=cfg.sample_z)
         ch = plan.choices
+        if tiers is not None:  # a tiered cache: the FMA stages read the hot pools and the promotion cache
+            self._run_tiered(st, q, tiers, page_table, lengths, mark)
+            return plan.out
         prep.launch(st, q)  # q~, the Key depths and weights
         mark("prep")
         KEY_STAGES[ch.key_stage](st, k_pool, page_table, lengths)  # logits, per-split softmax statistics
@@ -289,6 +309,55 @@ class TritonReader:
         combine.launch(st)  # the output
         mark("combine")
         return plan.out
+
+    def check_tiered(self, plan: Plan, tiers: TieredPools, batch: int) -> None:
+        """Refuse a tiered read this reader cannot run: the FMA Key and Value stages read tiered caches (not the
+        int8 / MMA stages, Key refinement, the Full Reader or batch parts), and the pools must fit the format."""
+        spec, ch = self.codec.spec, plan.choices
+        if ch.key_stage != "fma" or ch.value_stage != "fma":
+            raise ValueError(f"a tiered read runs on the FMA stages; this plan chose the {ch.key_stage} Key stage and "
+                             f"the {ch.value_stage} Value stage: use ReaderConfig(assembly='fma', key_int8=False, "
+                             "value_int8=False)")
+        if self.refine or self.fixed_depth or plan.parts:
+            raise ValueError("a tiered read supports neither Key refinement, the Full Reader's fixed depth nor "
+                             "batch parts (ReaderConfig.batch_streams > 1) yet")
+        w, d, p, g = spec.width, spec.head_dim, spec.page_size, spec.v_run
+        if not 0 <= tiers.hot_k <= w or not 0 <= tiers.hot_v <= w or tiers.hot_v % g:
+            raise ValueError(f"hot planes K {tiers.hot_k} / V {tiers.hot_v} must lie in [0, W = {w}], V a multiple of "
+                             f"v_run = {g}")
+        want = {
+            "k_hot": (tiers.k_hot, (tiers.hot_k, d, p // 8)), "v_hot": (tiers.v_hot, v_page_shape(spec, tiers.hot_v)),
+            "v_promo": (tiers.v_promo, v_page_shape(spec, w - tiers.hot_v)),
+            "k_slot": (tiers.k_slot, (batch, spec.n_kv_heads, d, w - tiers.hot_k)),
+            "k_max": (tiers.k_max, (batch, spec.n_kv_heads, d)),
+        }
+        for name, (t, shape) in want.items():
+            got = tuple(t.shape) if name in ("k_slot", "k_max") else tuple(t.shape[1:])
+            if got != tuple(shape):
+                raise ValueError(f"tiered pools: {name} must be {'' if name in ('k_slot', 'k_max') else '[n, '}"
+                                 f"{', '.join(map(str, shape))}{'' if name in ('k_slot', 'k_max') else ']'}, got "
+                                 f"{tuple(t.shape)}")
+        for name in ("k_slot", "k_max", "v_slot"):
+            if getattr(tiers, name).dtype != torch.int32:
+                raise TypeError(f"tiered pools: {name} must be int32")
+        check_device(tiers.k_hot, tiers.v_hot, tiers.k_promo, tiers.v_promo, tiers.k_slot, tiers.k_max, tiers.v_slot,
+                     plan.out)
+
+    def _run_tiered(self, st: Step, q: torch.Tensor, tiers: TieredPools, page_table: torch.Tensor,
+                    lengths: torch.Tensor, mark: Callable[[str], None]) -> None:
+        ch = st.plan.choices
+        prep.launch(st, q, tiers.k_max)  # the Key depths; the channel lists capped at the resident depths
+        mark("prep")
+        key_stage_fma.launch(st, tiers.k_hot, page_table, lengths, tiers)
+        mark("key_stage")
+        if ch.two_pass:
+            value_alloc_two_pass.launch(st, lengths)
+        value_alloc.launch(st, lengths)
+        mark("value_alloc")
+        value_stage_fma.launch(st, tiers.v_hot, page_table, lengths, tiers)  # depths capped at the pages' residency
+        mark("value_stage")
+        combine.launch(st)
+        mark("combine")
 
     def _run_parts(self, plan: Plan, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    page_table: torch.Tensor, lengths: torch.Tensor, layer: int, scale: float | None) -> None:
@@ -339,6 +408,53 @@ class TritonReader:
             raise ValueError("the cache holds no pages")
         out = self.run(plan, q, cache.k_pool[layer], cache.v_pool[layer], pt, lengths.to(q.device), layer, scale)
         return out.clone(), self.stats(plan, lengths)
+
+    def decode_tiered(self, q: torch.Tensor, cache: TieredSource, layer: int, scale: float | None = None,
+                      plan: Plan | None = None) -> tuple[torch.Tensor, ReadStats]:
+        """The same contract as planekv.kvstore.reference.readkv_decode with the cache's residency (depths capped
+        at it: ``ReadPolicy.tier_aware`` off), over a tiered cache (``planekv.tiering.TieredCache``)."""
+        if self.policy.tier_aware:
+            raise ValueError("the Triton reader caps depths at the residency; tier-aware allocation (allocating "
+                             "within it) is in the reference reader only")
+        cache.check_format(self.codec.format_id)
+        b = q.shape[0]
+        lengths = cache.lengths[layer].to(torch.int32)
+        t_max = int(lengths.max())
+        if plan is None:
+            plan = self.plan(b, -(-t_max // 256) * 256, q.device)
+        elif plan.max_tokens < t_max or plan.batch != b:
+            raise ValueError(f"plan for {plan.batch} x {plan.max_tokens} tokens cannot serve {b} x {t_max}")
+        pools = cache.pools(layer)
+        pt = cache.page_table.to(device=q.device, dtype=torch.int32).contiguous()
+        out = self.run(plan, q, pools.k_hot, pools.v_hot, pt, lengths.to(q.device), layer, scale, tiers=pools)
+        return out.clone(), self.tiered_stats(plan, lengths, pools, cache.page_table)
+
+    def tiered_stats(self, plan: Plan, lengths: torch.Tensor, pools: TieredPools,
+                     page_table: torch.Tensor) -> ReadStats:
+        """:meth:`stats` of a tiered run: depths read (capped at the residency), the allocation's depths
+        (``k_wanted`` / ``v_wanted``), caps in bits and the bits asked for, as the reference reports them."""
+        spec = self.codec.spec
+        want = self.stats(plan, lengths)
+        k_max = pools.k_max.cpu().to(torch.int64)
+        k_read = torch.minimum(want.k_depths, k_max)
+        p = spec.page_size
+        slots = pools.v_slot.cpu().to(torch.int64)[page_table.cpu().clamp_min(0).to(torch.int64)]  # [B, Hkv, S]
+        page_depth = torch.where(slots >= 0, spec.width, pools.hot_v)
+        cap = page_depth.repeat_interleave(p, dim=2)[:, :, : plan.max_tokens]
+        cap = torch.nn.functional.pad(cap, (0, plan.max_tokens - cap.shape[2]))
+        v_read = torch.minimum(want.v_depths, cap)
+        n_tok = lengths.to(torch.int64).cpu().double()
+        d = spec.head_dim
+        k_bits = n_tok * k_read.sum((1, 2)).double()
+        v_bits = d * v_read.sum((1, 2)).double()
+        k_caps, v_caps = want.k_bits - k_bits, want.v_bits - v_bits
+        return ReadStats(
+            k_bits=k_bits, v_bits=v_bits, tokens=want.tokens, n_kv_heads=want.n_kv_heads, head_dim=d,
+            workspace_bytes=want.workspace_bytes, k_depths=k_read, v_depths=v_read,
+            extra={"k_wanted": want.k_depths, "v_wanted": [want.v_depths[b, :, : int(t)] for b, t in
+                                                           enumerate(lengths.tolist())],
+                   "v_depths": [v_read[b, :, : int(t)] for b, t in enumerate(lengths.tolist())],
+                   "k_caps": k_caps, "v_caps": v_caps, "wanted_bits": want.k_bits + want.v_bits})
 
     def stats(self, plan: Plan, lengths: torch.Tensor) -> ReadStats:
         """Logical read of the last run, counted from its depth buffers."""

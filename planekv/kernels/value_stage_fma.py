@@ -13,7 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _block_prog, _bytes8, _codes, _load_scalar, _pack_planes, _softmax_stats, next_pow2
+from ..kvstore.tiered_pools import TieredPools
+from .common import (
+    _block_prog,
+    _bytes8,
+    _codes,
+    _load_scalar,
+    _pack_planes,
+    _pack_planes_split,
+    _softmax_stats,
+    next_pow2,
+)
 from .plan import Step
 from .value_alloc import _depths, _lambda_and_run
 
@@ -40,15 +50,25 @@ def _pick(v, gg, g: tl.constexpr):
 @triton.jit
 def _v_tile_f(vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
               acc3, acc4, acc5, acc6, acc7, G: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NB8: tl.constexpr,
-              NPL: tl.constexpr, VG: tl.constexpr = 1):
+              NPL: tl.constexpr, VG: tl.constexpr = 1, vp_ptr=None, vs_ptr=None, TIERED: tl.constexpr = False,
+              HOT: tl.constexpr = 0):
     """One tile of the FMA Value stage: each thread's token ``tp`` (depth ``st``, live ``em``) and byte
     column: its planes below its depth (at most NPL loads; NPL <= 4: one word, a 4x8 transpose), the 8
-    codes, 8 table lookups and 8 x G FMAs with the token's probabilities."""
+    codes, 8 table lookups and 8 x G FMAs with the token's probabilities. TIERED: ``vb_ptr`` is the hot pool
+    (HOT planes a page); a token's depth is capped at its page's resident depth (W where ``vs_ptr`` gives
+    the page a promotion slot in ``vp_ptr``, whose page holds planes >= HOT, else HOT)."""
     NCODE: tl.constexpr = 1 << W
     tp = tl.where(em, tp, 0)
     page = tl.load(pt_ptr + pid_bh * SLOTS + tp // P, mask=em, other=0).to(tl.int64)
-    p0 = vb_ptr + (page * W * P + (tp % P) * VG) * NB8 + bcol  # plane 0
-    lo, hi = _pack_planes(p0, P * NB8, NPL, st, True, VG, NB8)
+    if TIERED:
+        ps = tl.load(vs_ptr + page, mask=em, other=-1).to(tl.int64)
+        st = tl.minimum(st, tl.where(ps >= 0, W, HOT))
+        ph = vb_ptr + (page * HOT * P + (tp % P) * VG) * NB8 + bcol  # plane 0 in the hot pool
+        pc = vp_ptr + (tl.maximum(ps, 0) * (W - HOT) * P + (tp % P) * VG) * NB8 + bcol  # plane HOT, promoted
+        lo, hi = _pack_planes_split(ph, pc, P * NB8, NPL, HOT, st, VG, NB8)
+    else:
+        p0 = vb_ptr + (page * W * P + (tp % P) * VG) * NB8 + bcol  # plane 0
+        lo, hi = _pack_planes(p0, P * NB8, NPL, st, True, VG, NB8)
     z = tl.load(tabf_ptr + (st * NCODE)[:, None] + _codes(lo, hi, NPL))  # [F, 8]
     acc0 = _v_fma(acc0, z, lrow, tp, em, _pick(mg, gg, 0), _pick(izs, gg, 0))
     if G > 1:
@@ -75,7 +95,8 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
                    G_PAD: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
                    BLK: tl.constexpr, KS: tl.constexpr, KS_PAD: tl.constexpr, MIN_V: tl.constexpr,
                    PACKET: tl.constexpr, NT_PAD: tl.constexpr, FIXED_V: tl.constexpr, COMPACT: tl.constexpr,
-                   TS: tl.constexpr, VG: tl.constexpr = 1):
+                   TS: tl.constexpr, VG: tl.constexpr = 1, vp_ptr=None, vs_ptr=None, TIERED: tl.constexpr = False,
+                   HOT: tl.constexpr = 0):
     """The Value stage on the CUDA cores. Program (b*Hkv + h, block of BLK tokens): token depths as in
     :func:`_value_stage` (FIXED_V > 0: every token at that depth, the Full Reader), then tiles of TS
     tokens x D/8 plane-byte columns, one (token, byte column) per thread: the token's planes below
@@ -83,7 +104,8 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
     the float32 table and 8 x G FMAs with the token's probabilities into per-thread accumulators,
     reduced over the tile's tokens once per program. With COMPACT the tiles walk only the block's
     depth > 0 tokens, as :func:`_value_order` listed them, so depth-0 tokens cost nothing;
-    otherwise positions in order (depth-0 tokens' loads are masked off)."""
+    otherwise positions in order (depth-0 tokens' loads are masked off). TIERED: a tiered cache's pools
+    (:func:`_v_tile_f`); ``vdep`` keeps the allocation's depths, the reads are capped."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     NBLK = tl.num_programs(1)
     h = pid_bh % HKV
@@ -145,7 +167,7 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
             st = tl.where(em, FIXED_V, 0)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _v_tile_f(
             vb_ptr, pt_ptr, tabf_ptr, lrow, pid_bh, SLOTS, TMAX, tp, st, em, bcol, mg, izs, gg, acc0, acc1, acc2,
-            acc3, acc4, acc5, acc6, acc7, G, W, P, NB8, NPL, VG)
+            acc3, acc4, acc5, acc6, acc7, G, W, P, NB8, NPL, VG, vp_ptr, vs_ptr, TIERED, HOT)
     # channel 8 * column + k of each accumulator element, in the accumulators' layout
     kk = _bytes8(tl.full([F], 0x03020100, tl.uint32), tl.full([F], 0x07060504, tl.uint32))
     cidx = tl.reshape(bcol[:, None] * 8 + kk, (TS, NB8, 8))
@@ -167,9 +189,12 @@ def _value_stage_f(vb_ptr, pt_ptr, len_ptr, logit_ptr, mstat_ptr, sstat_ptr, vim
         _v_fma_store(tl.reshape(acc7, (TS, NB8, 8)), part_ptr, prow + 7 * NBLK * D, cidx)
 
 
-def launch(st: Step, v_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor) -> None:
-    """Grid (B*Hkv, NBLK): per-block partial outputs [B, Hq, NBLK, d]; tiles of 32 num_warps / (d / 8) tokens."""
+def launch(st: Step, v_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+           tiers: TieredPools | None = None) -> None:
+    """Grid (B*Hkv, NBLK): per-block partial outputs [B, Hq, NBLK, d]; tiles of 32 num_warps / (d / 8) tokens.
+    ``tiers``: a tiered cache's promotion cache (``v_pool`` is then its hot pool)."""
     k, pl, c, ch = st.k, st.plan, st.c, st.ch
+    tier = {} if tiers is None else dict(vp_ptr=tiers.v_promo, vs_ptr=tiers.v_slot, TIERED=True, HOT=tiers.hot_v)
     rate, bk, bv_fixed = st.budget_args()
     nw = st.num_warps
     _value_stage_f[(pl.batch * k.hk, pl.n_blocks)](
@@ -177,4 +202,4 @@ def launch(st: Step, v_pool: torch.Tensor, page_table: torch.Tensor, lengths: to
         pl.vdep, pl.vord, pl.vcnt, pl.part, st.slots, pl.max_tokens, pl.n_splits, rate, bk, bv_fixed,
         USE_RATE=k.use_rate, HQ=k.hq, HKV=k.hk, HG=k.hg, G=k.g, G_PAD=st.gpad, NSK_PAD=st.nsk_pad, P=k.p,
         NT_PAD=next_pow2(k.hg * pl.n_blocks), FIXED_V=k.fixed_depth, COMPACT=ch.compact, TS=32 * nw // (k.d // 8),
-        VG=k.vg, **st.value_consts(), num_warps=nw)
+        VG=k.vg, **st.value_consts(), **tier, num_warps=nw)

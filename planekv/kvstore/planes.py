@@ -105,9 +105,10 @@ def write_v_planes(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tenso
              (j % v_run)[None, None, :].expand(hk, m, n)] = rows
 
 
-def v_page_shape(spec: FormatSpec) -> tuple[int, ...]:
-    """One V page's shape in the format's layout: (W, P, d/8), or (W/g, P, g, d/8) with ``spec.v_run`` = g > 1."""
-    w, p, nb, g = spec.width, spec.page_size, spec.head_dim // 8, spec.v_run
+def v_page_shape(spec: FormatSpec, n_planes: int | None = None) -> tuple[int, ...]:
+    """One V page's shape in the format's layout: (W, P, d/8), or (W/g, P, g, d/8) with ``spec.v_run`` = g > 1;
+    with ``n_planes`` (a multiple of g), that many planes instead of W."""
+    w, p, nb, g = spec.width if n_planes is None else n_planes, spec.page_size, spec.head_dim // 8, spec.v_run
     return (w, p, nb) if g == 1 else (w // g, p, g, nb)
 
 

@@ -27,7 +27,16 @@ import torch
 
 from ..kvstore import FormatSpec, PlaneKVError, Residency
 from ..kvstore.errors import CacheFull, FormatMismatch
-from ..kvstore.planes import _planes_to_codes, plane_bits, unpack_bits, v_planes, write_k_planes, write_v_planes
+from ..kvstore.planes import (
+    _planes_to_codes,
+    plane_bits,
+    unpack_bits,
+    v_page_shape,
+    v_planes,
+    write_k_planes,
+    write_v_planes,
+)
+from ..kvstore.tiered_pools import TieredPools
 from .host_tier import HostTier
 from .placement import PlacementPolicy
 
@@ -127,7 +136,7 @@ class TieredCache:
         dev = self.device
         n0 = min(self.max_pages, max(1, batch_size * hk_n))
         self.k_hot = [torch.zeros(n0, hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
-        self.v_hot = [torch.zeros(n0, *self._v_shape(hv), dtype=torch.uint8, device=dev) for hv in self.hot_v]
+        self.v_hot = [torch.zeros(n0, *v_page_shape(spec, hv), dtype=torch.uint8, device=dev) for hv in self.hot_v]
         n_open = batch_size * hk_n  # one open page per (sequence, KV head)
         self.k_open = [torch.zeros(n_open, w - hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
         # promotion: per layer, Key channel-plane vectors and Value pages (the open pages' slots reserved first)
@@ -140,7 +149,7 @@ class TieredCache:
             v_page = (w - hv) * p * self.v_row
             n_v = n_open + (int(per_layer * (1 - k_promotion_share)) // v_page if hv < w else 0)
             self.k_promo.append(torch.zeros(n_k, self.max_slots, self.k_row, dtype=torch.uint8, device=dev))
-            self.v_promo.append(torch.zeros(n_v, *self._v_shape(w - hv), dtype=torch.uint8, device=dev))
+            self.v_promo.append(torch.zeros(n_v, *v_page_shape(spec, w - hv), dtype=torch.uint8, device=dev))
             self.k_slot.append(torch.full((batch_size, hk_n, d, w - hk), -1, dtype=torch.int32))
             self.v_slot.append(torch.full((n0,), -1, dtype=torch.int32))
             lru = _Lru(n_v)
@@ -155,10 +164,6 @@ class TieredCache:
         self.counters = {"k_promoted": 0, "v_promoted": 0, "k_evicted": 0, "v_evicted": 0, "sealed": 0}
 
     # ---- shapes and bytes ----
-
-    def _v_shape(self, n_planes: int) -> tuple[int, ...]:
-        p, g, nb = self.spec.page_size, self.spec.v_run, self.v_row
-        return (n_planes, p, nb) if g == 1 else (n_planes // g, p, g, nb)
 
     def bytes(self) -> TierBytes:
         def total(ts: list[torch.Tensor]) -> int:
@@ -407,6 +412,15 @@ class TieredCache:
         on = torch.where(pt >= 0, self.v_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
         v_depth = torch.where(on, w, hv).to(torch.int64)
         return Residency(k_depth.to(torch.int64), v_depth)
+
+    def pools(self, layer: int) -> TieredPools:
+        """``layer``'s device tensors as the Triton reader takes them (the slot tables copied to the device)."""
+        dev = self.device
+        return TieredPools(
+            hot_k=self.hot_k[layer], hot_v=self.hot_v[layer], k_hot=self.k_hot[layer], v_hot=self.v_hot[layer],
+            k_promo=self.k_promo[layer], k_slot=self.k_slot[layer].to(dev).contiguous(),
+            k_max=self.residency(layer).k_depth.to(device=dev, dtype=torch.int32),
+            v_promo=self.v_promo[layer], v_slot=self.v_slot[layer].to(dev).contiguous())
 
     def _k_pages(self, layer: int, b: int, top: int, depth: torch.Tensor) -> torch.Tensor:
         """The head's K pages with planes 0..top-1 assembled: [Hkv, slots, top, d, P/8] (refinement planes from
