@@ -24,7 +24,8 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import load_data, run_demo
+    from .demo import run_demo
+    from .evaluation.decode_data import load_data
 
     console = Console(width=max(120, Console().width))
     t0 = time.perf_counter()

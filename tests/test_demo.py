@@ -1,6 +1,7 @@
 """`planekv demo` on synthetic data: every system reports, bits and errors are what a user expects."""
 
-from planekv.demo import run_demo, synthetic_data
+from planekv.demo import run_demo
+from planekv.evaluation.decode_data import synthetic_data
 from planekv.kvstore.reference import SYSTEM_NAMES
 
 

@@ -199,7 +199,7 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
         sdpa_ms = None
         for system in systems:
             try:
-                row = _one(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16,
+                row = time_system(system, shape, sets, codec, reps, check, k_share, scalars, bytes_fp16,
                            config or ReaderConfig(), pages_per_program, timeline)
             except Exception as exc:  # keep going: one call should report every system
                 log.exception("%s / %s failed", name, system)
@@ -218,9 +218,10 @@ def run_bench(shapes: list[str | Shape], systems: list[str] | None = None, reps:
     return rows
 
 
-def _one(system: str, shape: Shape, sets: list[StepData], codec: Codec, reps: int, check: bool, k_share: float | None,
-         scalars: float, bytes_fp16: float, config: ReaderConfig, pages_per_program: int | None = None,
-         timeline: bool = False) -> Row:
+def time_system(system: str, shape: Shape, sets: list[StepData], codec: Codec, reps: int, check: bool,
+                k_share: float | None, scalars: float, bytes_fp16: float, config: ReaderConfig,
+                pages_per_program: int | None = None, timeline: bool = False) -> Row:
+    """One system's row on ``shape``: its step timed over ``sets`` (CUDA graphs), its logical and physical read."""
     b, t, hq, hk, d = shape.batch, shape.tokens, shape.n_q_heads, shape.n_kv_heads, shape.head_dim
     dev = sets[0].q.device
     info: dict[str, Any] = {}

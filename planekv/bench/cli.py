@@ -53,6 +53,35 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tiering(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..evaluation.decode_data import load_data
+    from .tiering import format_table, rows_to_json, run_decode, run_timing
+
+    console = Console(width=max(140, Console().width))
+    say = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
+    rows = []
+    if not args.timing_only:
+        real = {"smollm2": True, "synthetic": False}[args.source]
+        data = load_data(real=real, n_tokens=args.tokens, n_steps=args.steps, n_layers=args.layers)
+        say(f"decode steps: {data.source}")
+        rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
+                           prefetch=not args.no_prefetch, reader=args.reader, progress=say)
+    for shape in args.timing or []:
+        rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
+                           promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
+                           progress=say)
+    console.print(format_table(rows))
+    if args.json:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": dev,
+                "torch": torch.__version__, "host": platform.node(), "args": vars(args) | {"func": None}}
+        rows_to_json(rows, args.json, meta)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _at_least_one(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -95,3 +124,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--batch-streams", type=_at_least_one, default=None,
                    help="ReaderConfig.batch_streams: the ReadKV step as this many batch parts on CUDA streams")
     a.set_defaults(func=_bench_attention)
+    _register_tiering(bsub)
+
+
+def _register_tiering(bsub: argparse._SubParsersAction) -> None:
+    from .attention import SHAPES
+    from .tiering import HOTS, POLICIES
+
+    t = bsub.add_parser("tiering", help="hot planes on the GPU, refinement planes in host memory: caps, prefetch "
+                                        "hits, GPU bytes, step time (docs/TIERING.md)")
+    t.add_argument("--source", choices=("smollm2", "synthetic"), default="smollm2",
+                   help="decode steps over SmolLM2's real K/V (CPU, the evaluation extra) or synthetic K/V")
+    t.add_argument("--tokens", type=_at_least_one, default=2048, help="tokens before the last decode step")
+    t.add_argument("--steps", type=_at_least_one, default=16, help="consecutive decode steps")
+    t.add_argument("--layers", type=_at_least_one, default=10, help="layers read (evenly spaced)")
+    t.add_argument("--warmup", type=int, default=1, help="first steps not counted (they fill the promotion cache)")
+    t.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    t.add_argument("--hots", nargs="+", type=int, choices=range(0, 9), default=list(HOTS), metavar="H",
+                   help="hot planes h (K and V alike)")
+    t.add_argument("--promotion-mib", type=float, default=64.0, help="promotion cache, MiB (per model; per layer "
+                                                                     "in --timing)")
+    t.add_argument("--no-prefetch", action="store_true", help="no prefetch (only the pages kept at sealing)")
+    t.add_argument("--reader", choices=("reference", "triton"), default="reference",
+                   help="the tiered read of the decode steps (Key refinement always runs the reference)")
+    t.add_argument("--timing", nargs="+", choices=sorted(SHAPES), metavar="SHAPE",
+                   help="also time these benchmark shapes (CUDA): SDPA, FP8, all-GPU, tiered, whole-chunk offload")
+    t.add_argument("--timing-only", action="store_true", help="skip the decode steps")
+    t.add_argument("--reps", type=int, default=30, help="graph replays per system (median)")
+    t.add_argument("--warm", type=int, default=4, help="--timing: drifting-query steps that fill the promotion cache")
+    t.add_argument("--model-layers", type=_at_least_one, default=32,
+                   help="--timing: layers of the model whose GPU bytes are counted")
+    t.add_argument("--budget-gib", type=float, default=40.0, help="--timing: the GPU KV budget for the largest batch")
+    t.add_argument("--json", help="write rows and metadata here")
+    t.set_defaults(func=_bench_tiering)

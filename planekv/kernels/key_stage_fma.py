@@ -97,10 +97,16 @@ def _key_segment(kb_ptr, rbase, lrow, wrow, tabf_ptr, start, end, acc0, acc1, ac
     transpose (8x8, or 4x8 for T <= 4), 8 lookups in row T of ``tabf`` and 8 x G FMAs."""
     trow = tabf_ptr + T * (1 << W)
     c = _load_scalar(lrow + start) & 0xFF
-    lo, hi = _pack_k(kb_ptr, rbase, c, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
+    if TIERED:
+        lo, hi = _pack_k(kb_ptr, rbase, c, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
+    else:
+        lo, hi = _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
     for i in range(start, end):
         c_n = _load_scalar(lrow + tl.minimum(i + 1, end - 1)) & 0xFF
-        lo_n, hi_n = _pack_k(kb_ptr, rbase, c_n, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
+        if TIERED:
+            lo_n, hi_n = _pack_k(kb_ptr, rbase, c_n, tier, D, NB, T, TIERED, HOT, NCOLD, MAXSLOTS)
+        else:
+            lo_n, hi_n = _pack_planes(kb_ptr + rbase + c_n * NB, D * NB, T, 0, False)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _key_channel(
             lo, hi, trow, wrow + c * G, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, G, T)
         lo = lo_n

@@ -9,6 +9,8 @@ do).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..kvstore import Codec, ReadPolicy
@@ -17,13 +19,19 @@ from ..kvstore.stats import ReadStats
 from .prefetch import Prefetcher, StepTally
 from .tiered_cache import TieredCache
 
+Read = Callable[[torch.Tensor, TieredCache, int, float | None], tuple[torch.Tensor, ReadStats]]
+
 
 def tiered_decode_step(q: torch.Tensor, cache: TieredCache, layer: int, codec: Codec, policy: ReadPolicy,
                        prefetcher: Prefetcher | None = None, tally: StepTally | None = None,
-                       scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
-    """q [B, Hq, d] -> out [B, Hq, d] (float32), stats (with caps, see ``readkv_rows``); then prefetch."""
+                       scale: float | None = None, read: Read | None = None) -> tuple[torch.Tensor, ReadStats]:
+    """q [B, Hq, d] -> out [B, Hq, d] (float32), stats (with caps, see ``readkv_rows``); then prefetch. ``read``
+    (q, cache, layer, scale) -> (out, stats) replaces the reference read (e.g. ``TritonReader.decode_tiered``)."""
     residency = cache.residency(layer)
-    out, stats = readkv_decode(q, cache, layer, codec, policy, scale=scale, residency=residency)
+    if read is None:
+        out, stats = readkv_decode(q, cache, layer, codec, policy, scale=scale, residency=residency)
+    else:
+        out, stats = read(q, cache, layer, scale)
     if tally is not None:
         tally.add(layer, stats, cache.hot_k[layer], cache.hot_v[layer], codec.spec.page_size)
     if prefetcher is not None:

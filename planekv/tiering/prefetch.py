@@ -133,6 +133,8 @@ class StepTally:
     beyond_hot_bits: float = 0.0
     served_bits: float = 0.0
     fetched: int = 0
+    fetched_k: int = 0  # Key channel-planes
+    fetched_v: int = 0  # Value pages
     fetched_used: int = 0
     steps: int = 0
     _pending: dict[int, PrefetchPlan] = field(default_factory=dict, repr=False)
@@ -155,6 +157,8 @@ class StepTally:
         plan = self._pending.pop(layer, None)
         if plan is not None:  # of the items fetched for this step, those it read
             self.fetched += len(plan.k_fetch) + len(plan.v_fetch)
+            self.fetched_k += len(plan.k_fetch)
+            self.fetched_v += len(plan.v_fetch)
             self.fetched_used += sum(int(k_read[b, h, c]) > j for b, h, c, j in plan.k_fetch)
             for b, h, s in plan.v_fetch:
                 page = ex["v_depths"][b][h, s * page_size: (s + 1) * page_size]
@@ -162,6 +166,12 @@ class StepTally:
 
     def fetched_for_next(self, layer: int, plan: PrefetchPlan) -> None:
         self._pending[layer] = plan
+
+    def restart(self) -> None:
+        """Zero the totals (e.g. after warm-up steps), keeping what was fetched for the next step."""
+        pending = self._pending
+        self.__init__()  # type: ignore[misc]
+        self._pending = pending
 
     @property
     def hit_rate(self) -> float:
@@ -176,4 +186,5 @@ class StepTally:
     def summary(self) -> dict[str, float]:
         return {"steps": self.steps, "wanted_bits": self.wanted_bits, "capped_bits": self.capped_bits,
                 "cap_rate": self.cap_rate, "beyond_hot_bits": self.beyond_hot_bits, "served_bits": self.served_bits,
-                "hit_rate": self.hit_rate, "fetched": self.fetched, "fetched_used": self.fetched_used}
+                "hit_rate": self.hit_rate, "fetched": self.fetched, "fetched_k": self.fetched_k,
+                "fetched_v": self.fetched_v, "fetched_used": self.fetched_used}

@@ -57,6 +57,19 @@ class TierBytes:
         return self.hot + self.open + self.promotion
 
 
+def promotion_slots(spec: FormatSpec, max_tokens: int, hot_k: int, hot_v: int, layer_bytes: int,
+                    k_share: float) -> tuple[int, int]:
+    """(Key channel-plane slots, sealed Value page slots) of one layer's promotion cache of ``layer_bytes``: a Key
+    channel-plane is plane j of one channel over every page a sequence can hold, a Value page its W - h_V
+    refinement planes; ``k_share`` of the bytes go to Keys."""
+    w, p = spec.width, spec.page_size
+    k_vec = math.ceil(max_tokens / p) * (p // 8)
+    v_page = (w - hot_v) * p * (spec.head_dim // 8)
+    n_k = int(layer_bytes * k_share) // k_vec if hot_k < w else 0
+    n_v = int(layer_bytes * (1 - k_share)) // v_page if hot_v < w else 0
+    return n_k, n_v
+
+
 class _Lru:
     """Slots 0..n-1 handed out least recently used first; pinned slots are never taken back."""
 
@@ -140,14 +153,11 @@ class TieredCache:
         n_open = batch_size * hk_n  # one open page per (sequence, KV head)
         self.k_open = [torch.zeros(n_open, w - hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
         # promotion: per layer, Key channel-plane vectors and Value pages (the open pages' slots reserved first)
-        per_layer = promotion_bytes // L
-        k_vec = self.max_slots * self.k_row
         self.k_promo, self.v_promo, self.k_slot, self.v_slot = [], [], [], []
         self._k_lru, self._v_lru = [], []
         for hk, hv in zip(self.hot_k, self.hot_v, strict=True):
-            n_k = int(per_layer * k_promotion_share) // k_vec if hk < w else 0
-            v_page = (w - hv) * p * self.v_row
-            n_v = n_open + (int(per_layer * (1 - k_promotion_share)) // v_page if hv < w else 0)
+            n_k, n_sealed = promotion_slots(spec, max_tokens, hk, hv, promotion_bytes // L, k_promotion_share)
+            n_v = n_open + n_sealed
             self.k_promo.append(torch.zeros(n_k, self.max_slots, self.k_row, dtype=torch.uint8, device=dev))
             self.v_promo.append(torch.zeros(n_v, *v_page_shape(spec, w - hv), dtype=torch.uint8, device=dev))
             self.k_slot.append(torch.full((batch_size, hk_n, d, w - hk), -1, dtype=torch.int32))

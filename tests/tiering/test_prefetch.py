@@ -55,7 +55,7 @@ def test_prefetch_cuts_caps_on_a_drifting_query_and_keeps_appending() -> None:
             if step:
                 cache.append(0, kc, vc)
             if step == 1:
-                tally.__init__()  # count from the second step: the first has nothing prefetched
+                tally.restart()  # count from the second step: the first has nothing prefetched
             tiered_decode_step(qq, cache, 0, codec, POLICY, pf, tally)
     got, base = tallies[0].summary(), tallies[1].summary()
     assert got["capped_bits"] < 0.5 * base["capped_bits"]

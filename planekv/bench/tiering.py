@@ -1,0 +1,353 @@
+"""`planekv bench tiering`: hot planes on the GPU, refinement planes in host memory (docs/TIERING.md), measured.
+
+Two parts, one harness:
+
+- **Decode steps** (:func:`run_decode`, any device): consecutive decode steps of every layer of a
+  :class:`~planekv.evaluation.decode_data.DecodeData` (SmolLM2's real K/V, or synthetic) through a
+  :class:`~planekv.tiering.TieredCache` at hot depth h, with prefetch: per system, the share of the bits asked for
+  that was capped, the prefetch hit rate (bits asked for past the hot planes that were resident), items fetched per
+  step and their bytes, and the attention output's error against exact attention beside the all-GPU reader's (the
+  same policy, every plane resident). The first ``warmup`` steps fill the promotion cache and are not counted.
+- **Step time** (:func:`run_timing`, CUDA; Triton's interpreter for a plumbing run with no meaningful times): on a
+  benchmark shape, beside SDPA, FP8 and the all-GPU reader in the same run, the tiered read (FMA stages, its
+  promotion cache as prefetch left it after ``warm`` steps of drifting queries), the H2D copy of one step's
+  fetched bytes (on its own stream it overlaps the next step), and the whole-chunk offload baseline (every page's
+  refinement planes copied to the GPU before an all-GPU read, as chunk stores do).
+
+Both report GPU-resident bytes (:mod:`.tier_memory`) and the largest batch a GPU KV budget holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..evaluation.common import VARIANT_OPTIONS, default_k_share
+from ..evaluation.decode_data import DecodeData
+from ..kernels import ReaderConfig, TritonReader
+from ..kernels._dispatch import interpreting
+from ..kvstore import ReadPolicy
+from ..kvstore.reference import attention, readkv_rows
+from ..tiering import HotPlanes, PlacementPolicy, Prefetcher, StepTally, TieredCache, tiered_decode_step
+from .attention import SHAPES, Shape, StepData, synthetic_step, time_system
+from .tier_memory import GpuBytes, four_bit_bytes, gpu_bytes, workspace_bytes_per_sequence
+from .timing import sync, time_graphs
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+FMA = ReaderConfig(assembly="fma", key_int8=False, value_int8=False)  # the stages that read tiered caches
+POLICIES = ("flex-r4", "flex-r2", "flex-kr-r4", "flex-kr-r2")
+HOTS = (4, 2)
+
+
+def policy_named(name: str, k_share: float | None = None) -> ReadPolicy:
+    """flex-r4, flex-r2 (flexible reader, the frozen K share) and flex-kr-* (with Key refinement)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
+    rate = 4.0 if name.endswith("r4") else 2.0
+    kw = VARIANT_OPTIONS["readkv-flexible-kr"] if "-kr-" in name else {}
+    return ReadPolicy.flexible(rate, default_k_share(rate) if k_share is None else k_share, **kw)
+
+
+def placement(hot: int, format_id: str) -> PlacementPolicy:
+    return PlacementPolicy(format_id=format_id, hot_planes=HotPlanes(k=hot, v=hot), block_bytes=MiB)
+
+
+@dataclass
+class TierRow:
+    source: str  # the K/V: a model and text, or a benchmark shape
+    system: str  # sdpa, fp8, readkv-<policy> (all planes on the GPU), tiered-h<h>-<policy>, offload-h<h>-<policy>
+    reader: str  # triton, reference or - (not a ReadKV read)
+    step_ms: float | None = None
+    x_sdpa: float | None = None
+    x_all_gpu: float | None = None  # against readkv-<policy> with the same stages
+    fetch_ms: float | None = None  # H2D copy of one step's fetched bytes (its own stream)
+    gpu_gib: float | None = None  # device bytes at the row's batch and length (a model of `layers` layers)
+    x_four_bit: float | None = None  # gpu bytes / a 4-bit cache of the same tokens
+    host_gib: float | None = None
+    max_batch: int | None = None  # sequences of this length in the GPU KV budget
+    cap_rate: float | None = None  # share of the bits asked for that was capped
+    hit_rate: float | None = None  # share of the bits asked for past the hot planes that was resident
+    fetched_per_step: float | None = None  # Key channel-planes + Value pages brought per step and layer
+    fetched_mib_per_step: float | None = None
+    used_share: float | None = None  # fetched items the next step read past the hot planes
+    rel_err: float | None = None  # attention output vs exact attention
+    rel_err_all_gpu: float | None = None  # the all-GPU reader's, same policy
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- decode steps: caps, hits, fetches, errors ----
+
+def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion_mib: float = 64.0,
+               warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
+               progress: Callable[[str], None] | None = None) -> list[TierRow]:
+    """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
+    before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages; refused with Key
+    refinement, which falls back to the reference)."""
+    codec = data.codec
+    n_steps = data.layers[0].q.shape[1]
+    if not 0 <= warmup < n_steps:
+        raise ValueError(f"warmup must leave steps to count: 0 <= warmup < {n_steps}, got {warmup}")
+    say = progress or log.info
+    enc = {li.layer: (codec.encode_k(li.k, li.layer), codec.encode_v(li.v, li.layer)) for li in data.layers}
+    rows = []
+    for name in policies:
+        policy = policy_named(name, k_share)
+        all_gpu = _all_gpu_error(data, enc, policy, warmup)
+        for hot in hots:
+            row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader)
+            row.rel_err_all_gpu = all_gpu
+            rows.append(row)
+            say(f"{row.system}: caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, hit rate "
+                f"{100 * (row.hit_rate or 0):.1f}%, {row.fetched_per_step:.1f} items fetched a step and layer, "
+                f"error {row.rel_err:.4f} (all-GPU {all_gpu:.4f})")
+    return rows
+
+
+def _all_gpu_error(data: DecodeData, enc: dict, policy: ReadPolicy, warmup: int) -> float:
+    """The all-GPU reader's attention error over the counted steps (every plane resident)."""
+    num = den = 0.0
+    for li in data.layers:
+        kc, vc = enc[li.layer]
+        q, lengths = li.q[:, warmup:].contiguous(), li.lengths[warmup:]
+        out, _ = readkv_rows(q, kc, vc, data.codec, li.layer, policy, lengths, scale=li.scale)
+        exact = attention(q, li.k, li.v, lengths, scale=li.scale)
+        num += float((out - exact).pow(2).sum())
+        den += float(exact.pow(2).sum())
+    return math.sqrt(num / den)
+
+
+def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
+                warmup: int, prefetch: bool, reader: str) -> TierRow:
+    codec, spec = data.codec, data.codec.spec
+    lengths = data.layers[0].lengths
+    t_last = int(lengths.max())
+    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last,
+                        promotion_bytes=int(promotion_mib * MiB))
+    read, used = _reader_for(codec, policy, reader)
+    for li in data.layers:
+        kc, vc = enc[li.layer]
+        cache.append(li.layer, kc[:, : int(li.lengths[0]) - 1], vc[:, : int(li.lengths[0]) - 1], seq=0)
+    tally = StepTally()
+    pf = Prefetcher() if prefetch else None
+    num = den = 0.0
+    for s in range(data.layers[0].q.shape[1]):
+        if s == warmup:
+            tally.restart()  # count from here (the promotion cache has been filled)
+        for li in data.layers:
+            kc, vc = enc[li.layer]
+            t, have = int(li.lengths[s]), cache.length(li.layer, 0)
+            if t < have:
+                raise ValueError(f"decode step {s} of layer {li.layer} reads {t} tokens, fewer than before ({have})")
+            cache.append(li.layer, kc[:, have:t], vc[:, have:t], seq=0)  # the step's own token (if new)
+            q = li.q[:, s][None].float()  # [1, Hq, d]
+            out, _ = tiered_decode_step(q, cache, li.layer, codec, policy, pf, tally, li.scale, read)
+            if s >= warmup:
+                exact = attention(li.q[:, s: s + 1], li.k[:, :t], li.v[:, :t], torch.tensor([t]), scale=li.scale)
+                num += float((out[0].cpu() - exact[:, 0]).pow(2).sum())
+                den += float(exact.pow(2).sum())
+    sm = tally.summary()
+    page_v = (spec.width - hot) * spec.page_size * spec.head_dim / 8
+    vec_k = math.ceil(t_last / spec.page_size) * spec.page_size / 8
+    fetched_bytes = sm["fetched_k"] * vec_k + sm["fetched_v"] * page_v
+    layers_steps = max(1, sm["steps"])
+    return TierRow(
+        source=data.source, system=f"tiered-h{hot}-{name}", reader=used, cap_rate=sm["cap_rate"],
+        hit_rate=sm["hit_rate"], fetched_per_step=sm["fetched"] / layers_steps,
+        fetched_mib_per_step=fetched_bytes / layers_steps / MiB,
+        used_share=sm["fetched_used"] / sm["fetched"] if sm["fetched"] else None,
+        rel_err=math.sqrt(num / den) if den else None, host_gib=cache.bytes().host / GiB,
+        extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": prefetch,
+               "promotion_mib": promotion_mib, "tally": sm})
+
+
+def _reader_for(codec: Any, policy: ReadPolicy, reader: str) -> tuple[Any, str]:
+    """The read function for ``tiered_decode_step`` and the reader's name (Key refinement: the reference)."""
+    if reader == "reference" or policy.key_refine:
+        return None, "reference"
+    if reader != "triton":
+        raise ValueError(f"reader must be 'reference' or 'triton', got {reader!r}")
+    tr = TritonReader(codec, policy, config=FMA)
+    return (lambda q, cache, layer, scale: tr.decode_tiered(q, cache, layer, scale)), "triton"
+
+
+# ---- step time on a benchmark shape ----
+
+def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: int = 30, warm: int = 4,
+               promotion_mib: float = 256.0, layers: int = 32, budget_gib: float = 40.0, seed: int = 0,
+               k_share: float | None = None, progress: Callable[[str], None] | None = None) -> list[TierRow]:
+    """SDPA, FP8, the all-GPU reader (default stages and FMA stages) and the tiered read at each hot depth, timed in
+    one run on ``shape``; GPU bytes for a model of ``layers`` such layers and the largest batch ``budget_gib``
+    holds. Key refinement policies are not timed tiered (the Triton tiered read does not run them yet)."""
+    if not torch.cuda.is_available() and not interpreting():
+        raise RuntimeError("step times need a CUDA device (or TRITON_INTERPRET=1 for a plumbing run on CPU)")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shp = SHAPES[shape] if isinstance(shape, str) else shape
+    say = progress or log.info
+    s = synthetic_step(shp, dev, seed)
+    codec = s.codec
+    model = dataclasses.replace(codec.spec, n_layers=layers)
+    b, t = shp.batch, shp.tokens
+    scalars, bytes_fp16 = 2.0 * b * shp.n_kv_heads * t * shp.head_dim, 4.0 * b * shp.n_kv_heads * t * shp.head_dim
+    four = four_bit_bytes(model, t)
+    budget = budget_gib * GiB
+    rows: list[TierRow] = []
+
+    def add(row: TierRow, mem: GpuBytes) -> None:
+        row.gpu_gib = mem.total(b) / GiB
+        row.x_four_bit = mem.total(b) / (b * four)
+        row.max_batch = mem.max_batch(budget)
+        rows.append(row)
+        say(f"{shp.name} / {row.system}: {row.step_ms:.4f} ms" if row.step_ms is not None else row.system)
+
+    base = {name: time_system(name, shp, [s], codec, reps, False, k_share, scalars, bytes_fp16, ReaderConfig())
+            for name in ("sdpa", "fp8")}
+    sdpa_ms = base["sdpa"].median_ms
+    for name, r in base.items():
+        add(TierRow(shp.name, name, "-", r.median_ms, r.median_ms / sdpa_ms),
+            gpu_bytes(name, model, t))
+    for pname in policies:
+        policy = policy_named(pname, k_share)
+        ws = workspace_bytes_per_sequence(codec, policy, t)
+        all_ms = {}
+        for label, cfg in (("", ReaderConfig()), ("-fma", FMA)):
+            system = f"readkv-{pname}{label}"
+            r = _time_reader(TritonReader(codec, policy, config=cfg), s, reps)
+            all_ms[label] = r
+            add(TierRow(shp.name, system, "triton", r, r / sdpa_ms), gpu_bytes("readkv", model, t,
+                                                                             workspace_per_sequence=ws))
+        for hot in hots:
+            mem = gpu_bytes("tiered", model, t, (hot, hot), int(promotion_mib * MiB * layers),
+                            workspace_per_sequence=ws)
+            if policy.key_refine:
+                add(TierRow(shp.name, f"tiered-h{hot}-{pname}", "-", extra={"note": "the Triton tiered read runs "
+                                                                          "no Key refinement yet"}), mem)
+                continue
+            row = _time_tiered(shp.name, s, codec, policy, hot, pname, promotion_mib, warm, reps, seed)
+            row.x_sdpa, row.x_all_gpu = row.step_ms / sdpa_ms, row.step_ms / all_ms["-fma"]
+            add(row, mem)
+            off = _time_offload(s, codec, policy, hot, reps)
+            # the hot pools of every layer (no promotion cache) and one layer's refinement planes staged
+            w = codec.spec.width
+            staged = (w - hot) / w * gpu_bytes("readkv", dataclasses.replace(model, n_layers=1), t).per_sequence
+            off_mem = GpuBytes(gpu_bytes("tiered", model, t, (hot, hot), 0, workspace_per_sequence=ws).per_sequence
+                               + staged, 0.0)
+            add(TierRow(shp.name, f"offload-h{hot}-{pname}", "triton", off, off / sdpa_ms, off / all_ms[""],
+                        extra={"note": "every page's refinement planes of one layer copied from pinned host memory "
+                               "before the all-GPU read (default stages)"}), off_mem)
+    del s
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _time_reader(reader: TritonReader, s: StepData, reps: int) -> float:
+    plan = reader.plan(s.q.shape[0], int(s.lengths.max()), s.q.device)
+    step = lambda: reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0)  # noqa: E731
+    ms, _ = time_graphs([step], reps)
+    return ms
+
+
+def _tiered_from(s: StepData, codec: Any, hot: int, promotion_mib: float) -> TieredCache:
+    b, t = s.q.shape[0], int(s.lengths.max())
+    cache = TieredCache(codec.spec, b, placement(hot, codec.spec.format_id), max_tokens=t, device=s.q.device,
+                        promotion_bytes=int(promotion_mib * MiB), host_bytes=64 * GiB)
+    for i in range(b):
+        cache.append(0, s.cache.read_k(0, i, codec.spec.width), s.cache.read_v(0, i, codec.spec.width), seq=i)
+    return cache
+
+
+def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: int, pname: str,
+                 promotion_mib: float, warm: int, reps: int, seed: int) -> TierRow:
+    cache = _tiered_from(s, codec, hot, promotion_mib)
+    reader = TritonReader(codec, policy, config=FMA)
+    b, t = s.q.shape[0], int(s.lengths.max())
+    plan = reader.plan(b, t, s.q.device)
+    gen = torch.Generator(device=s.q.device).manual_seed(seed + 17)
+    pf, tally = Prefetcher(), StepTally()
+    for i in range(warm + 1):  # drifting queries fill the promotion cache; the last step is the one counted
+        if i == warm:
+            tally.restart()
+        q = s.q.float() + 0.1 * s.q.float().std() * torch.randn(s.q.shape, device=s.q.device, generator=gen)
+        tiered_decode_step(q, cache, 0, codec, policy, pf, tally,
+                           read=lambda qq, c, layer, scale: reader.decode_tiered(qq, c, layer, scale, plan))
+    pools = cache.pools(0)
+    pt = cache.page_table.to(device=s.q.device, dtype=torch.int32).contiguous()
+    lengths = cache.lengths[0].to(device=s.q.device, dtype=torch.int32)
+    step = lambda: reader.run(plan, s.q, pools.k_hot, pools.v_hot, pt, lengths, 0, tiers=pools)  # noqa: E731
+    ms, _ = time_graphs([step], reps)
+    sm = tally.summary()
+    spec = codec.spec
+    fetched = sm["fetched_k"] * math.ceil(t / spec.page_size) * spec.page_size / 8 \
+        + sm["fetched_v"] * (spec.width - hot) * spec.page_size * spec.head_dim / 8
+    return TierRow(source, f"tiered-h{hot}-{pname}", "triton", ms, cap_rate=sm["cap_rate"],
+                   hit_rate=sm["hit_rate"], fetched_per_step=float(sm["fetched"]),
+                   fetched_mib_per_step=fetched / MiB, fetch_ms=_time_h2d(int(fetched), s.q.device, reps),
+                   host_gib=cache.bytes().host / GiB, extra={"warm_steps": warm, "tally": sm})
+
+
+def _time_h2d(nbytes: int, dev: torch.device, reps: int) -> float | None:
+    """Median ms of copying ``nbytes`` from pinned host memory to the device (None off CUDA or for 0 bytes)."""
+    if dev.type != "cuda" or nbytes <= 0:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    ms, _ = time_graphs([lambda: dst.copy_(src, non_blocking=True)], reps)
+    return ms
+
+
+def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: int) -> float:
+    """Whole-chunk offload: every page's refinement planes (W - h of W, K and V) copied from pinned host memory, then
+    the all-GPU read (default stages) over the full pool."""
+    spec = codec.spec
+    kv_bytes = s.cache.k_pool[0].numel() + s.cache.v_pool[0].numel()
+    cold = int(kv_bytes * (spec.width - hot) / spec.width)
+    reader = TritonReader(codec, policy)
+    plan = reader.plan(s.q.shape[0], int(s.lengths.max()), s.q.device)
+    pinned = s.q.device.type == "cuda"
+    src = torch.empty(cold, dtype=torch.uint8)
+    src = src.pin_memory() if pinned else src
+    dst = torch.empty(cold, dtype=torch.uint8, device=s.q.device)
+
+    def step() -> None:
+        dst.copy_(src, non_blocking=True)
+        reader.run(plan, s.q, s.cache.k_pool[0], s.cache.v_pool[0], s.page_table, s.lengths, 0)
+
+    ms, _ = time_graphs([step], reps)
+    sync(s.q.device)
+    return ms
+
+
+# ---- output ----
+
+COLUMNS = ("source", "system", "reader", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
+           "max_batch", "cap_rate", "hit_rate", "fetched_per_step", "fetched_mib_per_step", "used_share", "rel_err",
+           "rel_err_all_gpu")
+
+
+def format_table(rows: list[TierRow]) -> str:
+    cols = [c for c in COLUMNS if any(getattr(r, c) is not None for r in rows)]
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+
+    def cell(v: Any, col: str) -> str:
+        if v is None:
+            return ""
+        if col in ("cap_rate", "hit_rate", "used_share"):
+            return f"{100 * v:.2f}%"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    return head + "\n".join("| " + " | ".join(cell(getattr(r, c), c) for c in cols) + " |" for r in rows)
+
+
+def rows_to_json(rows: list[TierRow], path: str, meta: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)

@@ -1,0 +1,97 @@
+"""`planekv bench tiering`: GPU bytes from the layouts (held to what a TieredCache allocates), the largest batch a
+budget holds, decode steps through tiered caches (everything hot reads as all-GPU; less hot caps and prefetches),
+the command's JSON, and a whole timing run at a toy size through Triton's interpreter (no meaningful times)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from planekv.bench.attention import Shape
+from planekv.bench.tier_memory import GpuBytes, four_bit_bytes, gpu_bytes
+from planekv.bench.tiering import placement, run_decode, run_timing
+from planekv.evaluation.decode_data import synthetic_data
+from planekv.kvstore.synthetic import make_synthetic
+from planekv.tiering import TieredCache
+
+
+def test_tiered_bytes_are_what_a_tiered_cache_allocates() -> None:
+    syn = make_synthetic(n_tokens=64, n_rows=1, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=32, seed=1)
+    spec = syn.spec
+    tokens, promo = 300, 3 << 16
+    for hot in (8, 4, 2):
+        cache = TieredCache(spec, 3, placement(hot, spec.format_id), max_tokens=tokens, promotion_bytes=promo)
+        codes = torch.randint(0, 256, (3, spec.n_kv_heads, tokens, spec.head_dim), dtype=torch.uint8)
+        for layer in range(spec.n_layers):
+            cache.append(layer, codes, codes)
+        mem = gpu_bytes("tiered", spec, tokens, (hot, hot), promo)
+        got = cache.bytes()
+        assert got.device == mem.total(3), hot  # hot pools of 5 pages a head, open pages, the promotion cache
+    flat = gpu_bytes("readkv", spec, tokens)
+    assert flat.per_sequence == spec.n_layers * 2 * spec.n_kv_heads * 5 * 64 * spec.head_dim  # 8 bits, whole pages
+    assert gpu_bytes("tiered", spec, 320, (4, 4)).per_sequence < 0.5 * 1.3 * flat.per_sequence
+    assert four_bit_bytes(spec, 320) == 0.5 * gpu_bytes("fp8", spec, 320).per_sequence
+    with pytest.raises(ValueError, match="unknown system"):
+        gpu_bytes("tiered", spec, 320)
+
+
+def test_the_largest_batch_a_budget_holds() -> None:
+    mem = GpuBytes(per_sequence=3.0, fixed=10.0)
+    assert mem.total(4) == 22.0
+    assert mem.max_batch(22.0) == 4 and mem.max_batch(21.9) == 3 and mem.max_batch(5.0) == 0
+
+
+def test_decode_steps_with_every_plane_hot_read_as_the_all_gpu_reader() -> None:
+    """h = 8: nothing is capped or fetched and the tiered read's error is the all-GPU reader's; h = 4 and 2 cap
+    some of what is asked for, fetch, and err more."""
+    data = synthetic_data(n_tokens=300, n_steps=3, n_layers=2, seed=4)
+    rows = run_decode(data, ["flex-r4"], [8, 4, 2], promotion_mib=0.02)
+    by = {r.system: r for r in rows}
+    full = by["tiered-h8-flex-r4"]
+    assert full.cap_rate == 0 and full.fetched_per_step == 0 and full.hit_rate == 1.0
+    assert math.isclose(full.rel_err, full.rel_err_all_gpu, rel_tol=1e-4)
+    for h in (4, 2):
+        r = by[f"tiered-h{h}-flex-r4"]
+        assert 0 < r.cap_rate < 1 and r.fetched_per_step > 0 and 0 <= r.hit_rate < 1
+        assert r.rel_err > full.rel_err
+    assert by["tiered-h2-flex-r4"].cap_rate > by["tiered-h4-flex-r4"].cap_rate
+    with pytest.raises(ValueError, match="warmup"):
+        run_decode(data, ["flex-r4"], [4], warmup=3)
+    with pytest.raises(ValueError, match="unknown policy"):
+        run_decode(data, ["flex-r3"], [4])
+
+
+def test_the_command_writes_its_rows(tmp_path) -> None:
+    from planekv.cli import main
+
+    out = tmp_path / "tiering.json"
+    rc = main(["bench", "tiering", "--source", "synthetic", "--tokens", "200", "--steps", "2", "--layers", "1",
+               "--policies", "flex-r2", "--hots", "4", "--promotion-mib", "0.01", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [r["system"] for r in doc["rows"]] == ["tiered-h4-flex-r2"] and doc["meta"]["device"] == "cpu"
+    assert 0 <= doc["rows"][0]["cap_rate"] <= 1
+
+
+@pytest.mark.slow
+def test_a_timing_run_at_a_toy_size() -> None:
+    """Every system of a timing run reports a time and GPU bytes (interpreter: the times mean nothing); the tiered
+    row keeps fewer bytes than the all-GPU one, and a Key refinement policy is listed untimed."""
+    shape = Shape("toy", 2, 256, 4, 2, 32)
+    rows = run_timing(shape, ["flex-r4", "flex-kr-r2"], [4], reps=1, warm=1, promotion_mib=0.002, layers=2,
+                      budget_gib=1.0)
+    by = {r.system: r for r in rows}
+    assert {"sdpa", "fp8", "readkv-flex-r4", "readkv-flex-r4-fma", "tiered-h4-flex-r4", "offload-h4-flex-r4",
+            "tiered-h4-flex-kr-r2"} <= set(by)
+    for name in ("sdpa", "fp8", "readkv-flex-r4", "tiered-h4-flex-r4", "offload-h4-flex-r4"):
+        assert by[name].step_ms is not None and by[name].step_ms > 0 and by[name].gpu_gib > 0
+    assert by["tiered-h4-flex-r4"].gpu_gib < by["readkv-flex-r4"].gpu_gib
+    assert by["tiered-h4-flex-r4"].max_batch > by["readkv-flex-r4"].max_batch
+    assert by["tiered-h4-flex-kr-r2"].step_ms is None and "Key refinement" in by["tiered-h4-flex-kr-r2"].extra["note"]
+    tiered = by["tiered-h4-flex-r4"]
+    assert tiered.cap_rate is not None and tiered.extra["tally"]["steps"] == 1 and tiered.fetched_per_step > 0
+    assert dataclasses.asdict(tiered)["x_all_gpu"] > 0
