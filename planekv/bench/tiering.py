@@ -74,6 +74,7 @@ class TierRow:
     gpu_gib: float | None = None  # device bytes at the row's batch and length (a model of `layers` layers)
     x_four_bit: float | None = None  # gpu bytes / a 4-bit cache of the same tokens
     host_gib: float | None = None
+    promoted_mib: float | None = None  # promotion cache in use at the end (not its capacity)
     max_batch: int | None = None  # sequences of this length in the GPU KV budget
     cap_rate: float | None = None  # share of the bits asked for that was capped
     hit_rate: float | None = None  # share of the bits asked for past the hot planes that was resident
@@ -166,6 +167,7 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
         fetched_mib_per_step=fetched_bytes / layers_steps / MiB,
         used_share=sm["fetched_used"] / sm["fetched"] if sm["fetched"] else None,
         rel_err=math.sqrt(num / den) if den else None, host_gib=cache.bytes().host / GiB,
+        promoted_mib=cache.promoted_bytes() / MiB,
         extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": prefetch,
                "promotion_mib": promotion_mib, "tally": sm})
 
@@ -292,7 +294,8 @@ def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: 
     return TierRow(source, f"tiered-h{hot}-{pname}", "triton", ms, cap_rate=sm["cap_rate"],
                    hit_rate=sm["hit_rate"], fetched_per_step=float(sm["fetched"]),
                    fetched_mib_per_step=fetched / MiB, fetch_ms=_time_h2d(int(fetched), s.q.device, reps),
-                   host_gib=cache.bytes().host / GiB, extra={"warm_steps": warm, "tally": sm})
+                   host_gib=cache.bytes().host / GiB, promoted_mib=cache.promoted_bytes() / MiB,
+                   extra={"warm_steps": warm, "tally": sm})
 
 
 def _time_h2d(nbytes: int, dev: torch.device, reps: int) -> float | None:
@@ -330,8 +333,8 @@ def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: i
 # ---- output ----
 
 COLUMNS = ("source", "system", "reader", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
-           "max_batch", "cap_rate", "hit_rate", "fetched_per_step", "fetched_mib_per_step", "used_share", "rel_err",
-           "rel_err_all_gpu")
+           "promoted_mib", "max_batch", "cap_rate", "hit_rate", "fetched_per_step", "fetched_mib_per_step",
+           "used_share", "rel_err", "rel_err_all_gpu")
 
 
 def format_table(rows: list[TierRow]) -> str:

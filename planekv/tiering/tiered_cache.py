@@ -182,6 +182,17 @@ class TieredCache:
         return TierBytes(hot=total(self.k_hot) + total(self.v_hot), open=total(self.k_open),
                          promotion=total(self.k_promo) + total(self.v_promo), host=self.host.used_bytes)
 
+    def promoted_bytes(self) -> int:
+        """Bytes of the promotion cache in use now: promoted Key channel-planes and sealed Value pages (the open
+        pages' reserved slots not counted)."""
+        n_open = self.batch_size * self.spec.n_kv_heads
+        total = 0
+        for layer in range(self.spec.n_layers):
+            k_vec = self.k_promo[layer][0].numel() if self.k_promo[layer].shape[0] else 0
+            v_page = self.v_promo[layer][0].numel()
+            total += int((self.k_slot[layer] >= 0).sum()) * k_vec + int((self.v_slot[layer] >= n_open).sum()) * v_page
+        return total
+
     @property
     def n_pages(self) -> int:
         return self.k_hot[0].shape[0]

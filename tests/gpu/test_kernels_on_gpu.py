@@ -104,3 +104,38 @@ def test_the_encoder_writes_the_reference_codes(codebook: str, v_run: int) -> No
         for got, want in ((data.cache.read_k(0, b, 8).cpu(), ref.read_k(0, b, 8)),
                           (data.cache.read_v(0, b, 8).cpu(), ref.read_v(0, b, 8))):
             assert got.shape == want.shape and (got != want).float().mean().item() < 1e-4
+
+
+@pytest.mark.parametrize("hot", [4, 2])
+@pytest.mark.parametrize("policy", ["flex-r2", "flex-r4", "cons-r2"])
+def test_the_tiered_read_matches_the_reference_at_full_size(hot: int, policy: str) -> None:
+    """The FMA stages over a tiered cache (hot pools, promoted Key channel-planes and Value pages from a few
+    prefetched steps) against the reference with the same residency: depths, caps and output."""
+    from planekv.kvstore.reference import readkv_decode
+    from planekv.tiering import HotPlanes, PlacementPolicy, Prefetcher, TieredCache, tiered_decode_step
+
+    data = _step(32, 8, 128, "gaussian-lloyd-tree", 1)
+    spec = data.codec.spec
+    cache = TieredCache(spec, len(LENGTHS), PlacementPolicy(format_id=spec.format_id, block_bytes=1 << 20,
+                                                            hot_planes=HotPlanes(k=hot, v=hot)),
+                        max_tokens=max(LENGTHS), device="cuda", promotion_bytes=16 << 20)
+    for b, t in enumerate(LENGTHS):
+        cache.append(0, data.cache.read_k(0, b, 8)[:, :t], data.cache.read_v(0, b, 8)[:, :t], seq=b)
+    cfg = ReaderConfig(assembly="fma", key_int8=False, value_int8=False)
+    reader = TritonReader(data.codec, POLICIES[policy], cfg)
+    plan = reader.plan(len(LENGTHS), max(LENGTHS), "cuda")
+    read = lambda q, c, layer, scale: reader.decode_tiered(q, c, layer, scale, plan)  # noqa: E731
+    for _ in range(2):  # prefetch fills the promotion cache
+        tiered_decode_step(data.q.float(), cache, 0, data.codec, POLICIES[policy], Prefetcher(), read=read)
+    res = cache.residency(0)
+    out, st = reader.decode_tiered(data.q.float(), cache, 0, plan=plan)
+    ref, rst = readkv_decode(data.q.float(), cache, 0, data.codec, POLICIES[policy], residency=res)
+    k_diff = int((st.k_depths != rst.k_depths).sum())
+    v_diff = sum(int((a.cpu() != b.cpu()).sum()) for a, b in zip(st.extra["v_depths"], rst.extra["v_depths"],
+                                                                  strict=True))
+    assert k_diff + v_diff <= 2, (k_diff, v_diff)
+    rel = float((out - ref.to(out.device)).norm() / ref.norm())
+    assert rel < (1e-3 if k_diff + v_diff else 2e-5), rel
+    if not k_diff + v_diff:  # the same depths: the same caps, counted by each side
+        assert torch.equal(st.extra["k_caps"], rst.extra["k_caps"]) and torch.equal(st.extra["v_caps"],
+                                                                                    rst.extra["v_caps"])

@@ -128,6 +128,7 @@ def test_promotion_is_bounded_and_least_recently_used_goes_first() -> None:
     res = tiered.residency(0)
     resident = [(b, h, s) for b, h, s in sealed if int(res.v_page_depth[b, h, s]) == 8]
     assert resident == sealed[-3:]  # the last three brought stay
+    assert tiered.promoted_bytes() == 2 * 3 * page  # layer 1 kept its last three sealed pages at sealing
     assert tiered.counters["v_evicted"] > 0
     assert tiered.promote_keys(0, [(0, 0, 0, 4)]) == 0  # no room for Key channel-planes at all
 
