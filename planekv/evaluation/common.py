@@ -74,11 +74,13 @@ class SystemRow:
     name: str  # one of ALL_SYSTEMS
     rate: float
     k_share: float | None = None  # flexible reader only
+    hot: int | None = None  # ReadKV decode rows: read from a tiered cache with this many hot planes
 
     @property
     def key(self) -> str:
         k = f"{self.name}@{self.rate:g}"
-        return k if self.k_share is None else f"{k}/k{self.k_share:g}"
+        k = k if self.k_share is None else f"{k}/k{self.k_share:g}"
+        return k if self.hot is None else f"{k}/h{self.hot}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,7 +127,8 @@ def label(row: SystemRow, system: KVSystem) -> str:
         s += f" + {pol.sink_keys} sink key" if pol.sink_keys else ""
         s += f" + Key refinement {pol.key_refine:g}" if pol.key_refine else ""
         s += f" (blocks of {pol.key_refine_block})" if pol.key_refine and pol.key_refine_block > 1 else ""
-        return s + (" + single-token values" if pol.single_token_values else "")
+        s += " + single-token values" if pol.single_token_values else ""
+        return s + (f", tiered h = {row.hot}" if row.hot is not None else "")
     return system.name
 
 

@@ -13,6 +13,7 @@ Runs directly (and as a Ray job entrypoint):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import re
@@ -139,19 +140,21 @@ def greedy_decode(model: Any, cache: PlaneKVHFCache, first: int, tok: Any, max_n
 def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int = 0,
                 reader: str = "reference", template: str = "chat",
                 on_context: Callable[[dict[str, Any]], None] | None = None,
-                resume: dict[str, Any] | None = None) -> dict[str, Any]:
+                resume: dict[str, Any] | None = None, promotion_mib: float = 64.0) -> dict[str, Any]:
     """Passkey hits for each context length and its rows (``plan``: context -> rows, run in that
     order). ``on_context`` receives the results so far after each context (partial JSON).
     ``resume``: an earlier (partial) result of the same settings; its contexts whose every row
-    finished all trials are kept, not rerun (the others run from their first trial)."""
-    from ..models.hf import make_cache
+    finished all trials are kept, not rerun (the others run from their first trial). Rows with a hot
+    depth read a tiered cache (docs/TIERING.md) with a promotion cache of ``promotion_mib``; their caps
+    are counted (``cap_bits`` of ``wanted_bits``)."""
+    from ..models.hf import Tiering, make_cache
 
     model, tok = s.lm.model, s.lm.tokenizer
     d = s.codec.spec.head_dim
     filler = tokenize_text(tok, FILLER_TEXT)
     out_rows: dict[str, dict[str, Any]] = {}
     details: list[dict[str, Any]] = []
-    done = _finished_contexts(resume, plan, trials, seed, reader, template) if resume else set()
+    done = _finished_contexts(resume, plan, trials, seed, reader, template, promotion_mib) if resume else set()
     for ctx in done:
         keys = {f"{r.key}@{ctx}" for r in plan[ctx]}
         for prev in resume["rows"]:  # type: ignore[index]
@@ -166,12 +169,14 @@ def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, in
         for i, trial in enumerate(progress(make_trials(ctx, trials[ctx], seed, filler.numel()), total=trials[ctx],
                                            desc=f"passkey {ctx}")):
             if on_context is not None and i and i % 5 == 0:  # partial results of a long context
-                on_context(_summary(out_rows, details, seed, trials, reader, template))
+                on_context(_summary(out_rows, details, seed, trials, reader, template, promotion_mib))
             ids = build_prompt(tok, filler, trial, template)
             first, keys, values = dense_prefill(model, ids)
             for row, system in systems:
                 t0 = time.perf_counter()
-                cache = make_cache(model, system, reader=reader)
+                tiering = None if row.hot is None else Tiering(row.hot, ids.numel() + MAX_NEW_TOKENS + 1,
+                                                                 int(promotion_mib * (1 << 20)))
+                cache = make_cache(model, system, reader=reader, tiering=tiering)
                 cache.prefill_from(keys, values)
                 text = greedy_decode(model, cache, first, tok)
                 ans = parse_answer(text)
@@ -186,21 +191,26 @@ def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, in
                 res["k_bits"] += cache.tally.k_bits
                 res["v_bits"] += cache.tally.v_bits
                 res["dense_bits"] += cache.tally.dense_bits
+                if tiering is not None:
+                    res["cap_bits"] = res.get("cap_bits", 0.0) + cache.tier_tally.capped_bits
+                    res["wanted_bits"] = res.get("wanted_bits", 0.0) + cache.tier_tally.wanted_bits
                 res["seconds"] += time.perf_counter() - t0
                 details.append({**trial.to_dict(), "system": row.key, "answer": ans, "hit": hit, "text": text})
             del keys, values
         if on_context is not None:
-            on_context(_summary(out_rows, details, seed, trials, reader, template))
-    return _summary(out_rows, details, seed, trials, reader, template)
+            on_context(_summary(out_rows, details, seed, trials, reader, template, promotion_mib))
+    return _summary(out_rows, details, seed, trials, reader, template, promotion_mib)
 
 
-_DERIVED = ("hit_rate", "read_fraction", "capacity_fraction", "vs_dense")  # recomputed by _summary
+_DERIVED = ("hit_rate", "read_fraction", "capacity_fraction", "vs_dense", "cap_rate")  # recomputed by _summary
 
 
 def _finished_contexts(prev: dict[str, Any], plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int,
-                       reader: str, template: str) -> set[int]:
+                       reader: str, template: str, promotion_mib: float) -> set[int]:
     """Contexts of ``plan`` that ``prev`` holds complete; refuses a result of other settings."""
-    for name, want in (("seed", seed), ("reader", reader), ("template", template)):
+    tiered = any(r.hot is not None for rows in plan.values() for r in rows)
+    for name, want in (("seed", seed), ("reader", reader), ("template", template),
+                       *((("promotion_mib", promotion_mib),) if tiered else ())):
         if prev.get(name) != want:
             raise ValueError(f"cannot resume passkey: the earlier run has {name}={prev.get(name)!r}, not {want!r}")
     have = {(r["key"], r["context"]): r["trials"] for r in prev.get("rows", [])}
@@ -209,34 +219,39 @@ def _finished_contexts(prev: dict[str, Any], plan: dict[int, list[SystemRow]], t
 
 
 def _summary(out_rows: dict[str, dict[str, Any]], details: list[dict[str, Any]], seed: int, trials: dict[int, int],
-             reader: str, template: str) -> dict[str, Any]:
+             reader: str, template: str, promotion_mib: float) -> dict[str, Any]:
     rows_out = []
     for res in out_rows.values():
         res = dict(res)
         res["hit_rate"] = res["hits"] / res["trials"]
         res["read_fraction"] = (res["k_bits"] + res["v_bits"]) / res["dense_bits"] if res["dense_bits"] else None
         res["capacity_fraction"] = res["capacity_bits"] / 16.0
+        if res.get("wanted_bits"):
+            res["cap_rate"] = res["cap_bits"] / res["wanted_bits"]
         rows_out.append(res)
     for res in rows_out:
         dense = next((r for r in rows_out if r["name"] == "dense" and r["context"] == res["context"]), None)
         res["vs_dense"] = None if not dense or not dense["hits"] else res["hits"] / dense["hits"]
     return {"job": "passkey", "seed": seed, "trials": {str(c): n for c, n in trials.items()},
-            "reader": reader, "template": template, "question": QUESTION, "answer_start": ANSWER_START,
+            "reader": reader, "template": template, "promotion_mib": promotion_mib, "question": QUESTION,
+            "answer_start": ANSWER_START,
             "rows": rows_out, "details": list(details)}
 
 
 def parse_plan(contexts: Sequence[int], systems: Sequence[str], rates: Sequence[float],
                long_systems: Sequence[str] | None, long_rates: Sequence[float] | None,
-               k_share: dict[float, float] | None) -> dict[int, list[SystemRow]]:
+               k_share: dict[float, float] | None, hots: Sequence[int] = ()) -> dict[int, list[SystemRow]]:
     """All ``systems`` x ``rates`` at every context but the longest, where ``long_systems`` x
-    ``long_rates`` run instead (when given)."""
+    ``long_rates`` run instead (when given); each ReadKV row also read from a tiered cache at each of
+    ``hots`` hot planes."""
     plan = {}
     longest = max(contexts)
     for c in contexts:  # in the order given
         if c == longest and long_systems:
-            plan[c] = system_rows(long_systems, long_rates or rates, k_share)
+            rows = system_rows(long_systems, long_rates or rates, k_share)
         else:
-            plan[c] = system_rows(systems, rates, k_share)
+            rows = system_rows(systems, rates, k_share)
+        plan[c] = rows + [dataclasses.replace(r, hot=h) for r in rows if r.name.startswith("readkv") for h in hots]
     return plan
 
 
@@ -254,6 +269,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reader", default="reference", help="decode reader (planekv.models.hf.READERS)")
     p.add_argument("--template", default="chat", choices=["chat", "raw"], help="prompt as a chat turn or raw text")
+    p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
+                   help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md)")
+    p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,10 +282,11 @@ def run(args: argparse.Namespace) -> int:
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)
     plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates,
-                      parse_k_share(args.k_share))
+                      parse_k_share(args.k_share), args.tiered_hot)
     t0 = time.perf_counter()
     res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
-                      args.template, on_context=lambda r: write_json(f"{args.out}/passkey.json", r))
+                      args.template, on_context=lambda r: write_json(f"{args.out}/passkey.json", r),
+                      promotion_mib=args.promotion_mib)
     res["seconds"] = time.perf_counter() - t0
     res["calibration_id"] = s.calibration.calibration_id
     res["codebook"] = s.codec.spec.codebook

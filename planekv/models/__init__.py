@@ -11,6 +11,7 @@ from .hf import (
     LoadedModel,
     PlaneKVHFCache,
     ReadTally,
+    Tiering,
     format_spec,
     geometry,
     get_reader,
@@ -23,7 +24,7 @@ from .hf import (
 )
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "READERS", "Geometry", "LoadedModel", "PlaneKVHFCache", "ReadTally", "format_spec",
-    "geometry", "get_reader", "load_model", "make_cache", "register_attention", "smollm2_gguf", "teacher_forced",
-    "use_planekv_attention",
+    "ATTN_IMPLEMENTATION", "READERS", "Geometry", "LoadedModel", "PlaneKVHFCache", "ReadTally", "Tiering",
+    "format_spec", "geometry", "get_reader", "load_model", "make_cache", "register_attention", "smollm2_gguf",
+    "teacher_forced", "use_planekv_attention",
 ]

@@ -37,6 +37,7 @@ import torch
 
 from ..kvstore import Calibration, Codec, FormatSpec, PlaneKVCache, ReadPolicy, ReadStats, reference
 from ..kvstore.baselines import KVSystem
+from ..tiering import HotPlanes, PlacementPolicy, Prefetcher, StepTally, TieredCache, tiered_decode_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
 
@@ -310,17 +311,31 @@ class _PlaneKVLayer(DynamicLayer):
         raise NotImplementedError("a PlaneKV cache is not reset in place; make a new one")
 
 
+@dataclass(frozen=True)
+class Tiering:
+    """A tiered cache for a :class:`PlaneKVHFCache` (docs/TIERING.md): ``hot`` planes of every page on the model's
+    device (K and V alike), sealed pages' refinement planes in host memory, a promotion cache of
+    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``."""
+
+    hot: int
+    max_tokens: int
+    promotion_bytes: int = 64 << 20
+    prefetch: bool = True
+
+
 class PlaneKVHFCache(Cache):
     """A transformers ``Cache`` backed by PlaneKV (or by a baseline system, for comparison).
 
     ``system`` is a :class:`planekv.kvstore.reference.ReadKV` (its policy and codec are used; decode
     steps read the paged cache through ``reader``) or any other ``KVSystem`` (K/V kept in the
     model domain and passed through ``encode``/``attend`` every step). ``tally`` accumulates the
-    logical read of every decode step.
+    logical read of every decode step. With ``tiering`` the ReadKV codes live in a
+    :class:`planekv.tiering.TieredCache` and decode steps read what is resident (``tier_tally``: caps and
+    prefetch hits; the "triton" reader runs the FMA stages over it).
     """
 
     def __init__(self, system: KVSystem, n_layers: int, batch_size: int = 1, reader: str = "reference",
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", tiering: Tiering | None = None) -> None:
         super().__init__(layers=[])
         self.layers = [_PlaneKVLayer(self, i) for i in range(n_layers)]
         self.system = system
@@ -333,12 +348,32 @@ class PlaneKVHFCache(Cache):
             ref_only = system.policy.reference_only_options()  # type: ignore[attr-defined]
             if ref_only:
                 raise ValueError(f"ReadPolicy options {ref_only} are implemented by the reference reader only")
-        self.pages: PlaneKVCache | None = None
+        self.pages: PlaneKVCache | TieredCache | None = None
+        self.tiering = tiering
+        self.tier_tally = StepTally()
+        self._prefetcher = Prefetcher() if tiering is not None and tiering.prefetch else None
+        self._tiered_read: Callable[..., tuple[torch.Tensor, ReadStats]] | None = None
+        if tiering is not None and not self.is_readkv:
+            raise ValueError(f"tiering needs a ReadKV system, got {system.name}")
         if self.is_readkv:
             codec: Codec = system.codec  # type: ignore[attr-defined]
             if codec.spec.n_layers != n_layers:
                 raise ValueError(f"format has {codec.spec.n_layers} layers, the model {n_layers}")
-            self.pages = PlaneKVCache(codec.spec, batch_size, device=device)
+            if tiering is None:
+                self.pages = PlaneKVCache(codec.spec, batch_size, device=device)
+            else:
+                placement = PlacementPolicy(format_id=codec.spec.format_id, width=codec.spec.width,
+                                            hot_planes=HotPlanes(k=tiering.hot, v=tiering.hot))
+                self.pages = TieredCache(codec.spec, batch_size, placement, tiering.max_tokens, device=device,
+                                         promotion_bytes=tiering.promotion_bytes)
+                if reader == "triton":
+                    from ..kernels import ReaderConfig, TritonReader
+
+                    tr = TritonReader(codec, system.policy,  # type: ignore[attr-defined]
+                                      ReaderConfig(assembly="fma", key_int8=False, value_int8=False))
+                    self._tiered_read = lambda q, c, layer, scale: tr.decode_tiered(q, c, layer, scale)
+                elif reader != "reference":
+                    raise ValueError(f"a tiered cache is read by the 'reference' or 'triton' reader, got {reader!r}")
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # write path ------------------------------------------------------------------------------
@@ -376,7 +411,12 @@ class PlaneKVHFCache(Cache):
             codec: Codec = self.system.codec  # type: ignore[attr-defined]
             policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
             t = self.layers[layer].length
-            if window is not None and t > window:
+            if isinstance(self.pages, TieredCache):
+                if window is not None and t > window:
+                    raise NotImplementedError("sliding-window layers are not read from a tiered cache yet")
+                out, st = tiered_decode_step(q, self.pages, layer, codec, policy, self._prefetcher, self.tier_tally,
+                                             scale, self._tiered_read)
+            elif window is not None and t > window:
                 out, st = _windowed_reference(q, self.pages, layer, codec, policy, scale, window)
             else:
                 assert self.reader is not None
@@ -534,7 +574,8 @@ def register_attention() -> None:
     _REGISTERED = True
 
 
-def make_cache(model: Any, system: KVSystem, batch_size: int = 1, reader: str = "reference") -> PlaneKVHFCache:
+def make_cache(model: Any, system: KVSystem, batch_size: int = 1, reader: str = "reference",
+               tiering: Tiering | None = None) -> PlaneKVHFCache:
     """A :class:`PlaneKVHFCache` for ``model`` (pass it as ``past_key_values`` to generate/forward)."""
     dev = next(model.parameters()).device
-    return PlaneKVHFCache(system, geometry(model).n_layers, batch_size, reader, device=dev)
+    return PlaneKVHFCache(system, geometry(model).n_layers, batch_size, reader, device=dev, tiering=tiering)

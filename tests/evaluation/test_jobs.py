@@ -94,6 +94,25 @@ def test_passkey_job_runs_a_named_variant_at_the_longest_context(tiny_model_dir,
     assert (tmp_path / "quality_vs_read.png").stat().st_size > 1000
 
 
+def test_passkey_through_a_tiered_cache(tiny_model_dir, calib_path, tmp_path):
+    """--tiered-hot: each ReadKV row also decodes from a tiered cache; with every plane hot (h = 8) it answers as
+    the all-GPU row and caps nothing, with h = 2 it counts caps; the report labels the tiered rows."""
+    rc = passkey.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
+                       "--contexts", "200", "--trials", "2", "--systems", "readkv-flexible", "--rates", "4",
+                       "--long-systems", "--tiered-hot", "8", "2", "--promotion-mib", "0.01", "--device", "cpu"])
+    assert rc == 0
+    res = json.loads((tmp_path / "passkey.json").read_text())
+    rows = {r["key"].rsplit("/", 1)[-1] if r.get("hot") is not None else "all": r for r in res["rows"]}
+    assert set(rows) == {"all", "h8", "h2"} and res["promotion_mib"] == 0.01
+    answers = {}
+    for d in res["details"]:
+        answers.setdefault(d["system"].rsplit("/", 1)[-1] if "/h" in d["system"] else "all", []).append(d["text"])
+    assert answers["h8"] == answers["all"]  # every plane hot: the all-GPU decode, token for token
+    assert rows["h8"]["cap_rate"] == 0 and rows["h8"]["read_fraction"] == pytest.approx(rows["all"]["read_fraction"])
+    assert 0 < rows["h2"]["cap_rate"] < 1
+    assert "tiered h = 2" in (tmp_path / "report.md").read_text()
+
+
 def test_split_search_job(tiny_model_dir, calib_path, tmp_path):
     rc = split_search.main(["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
                             "--rates", "2", "--grid", "0.25", "0.75", "--window", "64", "--windows", "1",
