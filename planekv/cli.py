@@ -20,6 +20,7 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
     "planekv.evaluation.cli",  # calibrate, eval
     "planekv.bench.cli",  # bench attention
     "planekv.services.cli",  # control, store
+    "planekv.orchestration.cli",  # up, down, status
 )
 
 
@@ -95,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # one line per HTTP request (health probes, policy lookups) is noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
