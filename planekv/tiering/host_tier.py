@@ -26,7 +26,7 @@ StreamKey = tuple[str, str, int, int]  # (sequence id, "k" | "v", layer, KV head
 @dataclass
 class _Block:
     first_slot: int  # page slot (position in its sequence) of the block's first page
-    buf: torch.Tensor  # uint8 [HEADER_BYTES + capacity pages x page bytes, padded to 4 KiB]
+    buf: torch.Tensor  # uint8 [HEADER_BYTES + room for pages x page bytes, padded to 4 KiB]; grows while open
     n_pages: int = 0
     key: BlockKey | None = None  # set when sealed (framed)
 
@@ -55,7 +55,7 @@ class HostTier:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of every block buffer allocated (open blocks count whole)."""
+        """Bytes of every block buffer allocated (an open block grows by doubling as pages arrive, up to a block)."""
         return self._used
 
     def pages_per_block(self, page_bytes: int) -> int:
@@ -79,19 +79,31 @@ class HostTier:
                 raise ValueError(f"stream {stream}: page {slot} arrived, page {nxt} was next (pages arrive in order)")
             per = self.pages_per_block(st.page_bytes)
             if not st.blocks or st.blocks[-1].key is not None:
-                size = HEADER_BYTES + aligned(per * st.page_bytes)
-                if self._used + size > self.capacity_bytes:
-                    raise TierFull(f"host tier full: {self._used} of {self.capacity_bytes} bytes used, a new block "
-                                   f"needs {size}; raise the memory tier's capacity or free sequences")
-                buf = torch.zeros(size, dtype=torch.uint8)
-                st.blocks.append(_Block(first_slot=slot, buf=buf.pin_memory() if self.pinned else buf))
-                self._used += size
+                st.blocks.append(_Block(first_slot=slot, buf=self._alloc(self._block_size(st.page_bytes, 1, per))))
             blk = st.blocks[-1]
+            if HEADER_BYTES + (blk.n_pages + 1) * st.page_bytes > blk.buf.numel():  # grow the open block
+                grown = self._alloc(self._block_size(st.page_bytes, 2 * blk.n_pages, per))
+                grown[: blk.buf.numel()] = blk.buf
+                self._used -= blk.buf.numel()
+                blk.buf = grown
             off = HEADER_BYTES + blk.n_pages * st.page_bytes
             blk.buf[off: off + st.page_bytes] = raw.cpu()
             blk.n_pages += 1
             if blk.n_pages == per:
                 self._seal(stream, st, blk)
+
+    def _block_size(self, page_bytes: int, pages: int, per_block: int) -> int:
+        """Bytes of a block buffer for ``pages`` pages (at most a block's), header and 4 KiB padding included."""
+        return HEADER_BYTES + aligned(min(max(pages, 1), per_block) * page_bytes)
+
+    def _alloc(self, size: int) -> torch.Tensor:
+        """A zeroed block buffer of ``size`` bytes (pinned on CUDA hosts), counted; TierFull if it does not fit."""
+        if self._used + size > self.capacity_bytes:
+            raise TierFull(f"host tier full: {self._used} of {self.capacity_bytes} bytes used, a block needs "
+                           f"{size}; raise the memory tier's capacity or free sequences")
+        buf = torch.zeros(size, dtype=torch.uint8)
+        self._used += size
+        return buf.pin_memory() if self.pinned else buf
 
     def _seal(self, stream: StreamKey, st: _Stream, blk: _Block) -> None:
         seq, kind, layer, head = stream

@@ -1,0 +1,55 @@
+"""The host tier holds what it stores: an open block grows as pages arrive, a full block is sealed as a frame, and
+a page that does not fit is refused with nothing lost."""
+
+import pytest
+import torch
+
+from planekv.tiering.errors import TierFull
+from planekv.tiering.frame import HEADER_BYTES
+from planekv.tiering.host_tier import HostTier
+
+PAGE = 1024  # bytes of one page's refinement planes
+STREAM = ("seq-0", "k", 0, 0)
+
+
+def _page(i: int) -> torch.Tensor:
+    return torch.full((PAGE,), i % 251, dtype=torch.uint8)
+
+
+def test_an_open_block_grows_with_its_pages_not_to_a_whole_block():
+    tier = HostTier("0123456789abcdef", capacity_bytes=64 << 20, block_bytes=4 << 20)
+    tier.put_page(STREAM, 0, (4, 8), _page(0))
+    one = tier.used_bytes
+    assert one == HEADER_BYTES + 4096  # one page, padded to 4 KiB: not the 4 MiB block
+    for i in range(1, 100):
+        tier.put_page(STREAM, i, (4, 8), _page(i))
+    assert tier.used_bytes <= HEADER_BYTES + 2 * 100 * PAGE + 4096  # at most twice what it holds
+    assert all(torch.equal(tier.page(STREAM, i), _page(i)) for i in range(100))  # growing kept every page
+
+
+def test_a_full_block_is_sealed_as_a_frame_and_the_next_one_starts():
+    tier = HostTier("0123456789abcdef", capacity_bytes=64 << 20, block_bytes=HEADER_BYTES + 8 * PAGE)
+    for i in range(10):
+        tier.put_page(STREAM, i, (4, 8), _page(i))
+    frames = tier.frames(STREAM)
+    assert len(frames) == 1 and (frames[0][0].page_start, frames[0][0].page_end) == (0, 8)
+    assert torch.equal(tier.page(STREAM, 9), _page(9))
+
+
+def test_a_page_that_does_not_fit_is_refused_and_nothing_stored_is_lost():
+    tier = HostTier("0123456789abcdef", capacity_bytes=HEADER_BYTES + 2 * 4096, block_bytes=4 << 20)
+    with pytest.raises(TierFull, match="host tier full"):
+        for i in range(64):
+            tier.put_page(STREAM, i, (4, 8), _page(i))
+    held = [i for i in range(64) if _held(tier, i)]
+    assert held == list(range(len(held))) and len(held) >= 4  # the pages before the refusal, in order
+    assert tier.used_bytes <= tier.capacity_bytes
+    assert all(torch.equal(tier.page(STREAM, i), _page(i)) for i in held)
+
+
+def _held(tier: HostTier, i: int) -> bool:
+    try:
+        tier.page(STREAM, i)
+    except KeyError:
+        return False
+    return True
