@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/planekv demo
+	$(VENV)/bin/planekv demo --stack
 
 # the suite without the slow end-to-end tests (under 10 minutes on 2 cores)
 test: $(STAMP)

@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -24,7 +25,30 @@ _SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def _stack_demo(args: argparse.Namespace) -> int:
+    from .orchestration.stack_demo import TABLE_COLUMNS, run_stack_demo, table_rows
+
+    console = Console(width=max(120, Console().width))
+    res = run_stack_demo(Path(args.out), context=args.tokens, rates=tuple(args.rates), hots=tuple(args.hots),
+                         calib_tokens=args.calib_tokens, promotion_mib=args.promotion_mib,
+                         say=lambda s: console.print(f"[dim]{s}[/dim]"))
+    table = Table(title=f"Passkey at {res['context']} tokens on the embedded stack ({res['model']}, {res['device']}; "
+                        f"promotion cache {res['promotion_mib']:g} MiB)")
+    for col in TABLE_COLUMNS:
+        table.add_column(col, justify="left" if col in ("reader", "answer") else "right")
+    for row in table_rows(res):
+        table.add_row(*row)
+    console.print(table)
+    w = res["worker"]
+    console.print(f"worker: {w['decode_steps']} decode steps, {w['steps_per_second']:.2f} steps/s, caps "
+                  f"{100 * w['cap_rate']:.2f}% of the bits asked for; JSON and plot in {args.out}; "
+                  f"{res['seconds']:.0f} s in all")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if args.stack:
+        return _stack_demo(args)
     from .demo import run_demo
     from .evaluation.decode_data import load_data
 
@@ -78,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rates", type=float, nargs="+", default=[4.0, 2.0])
     d.add_argument("--seed", type=int, default=0, help="synthetic data seed")
     d.add_argument("--json", help="also write the rows as JSON to this path")
+    stack = d.add_argument_group("the embedded stack (`make demo`)")
+    stack.add_argument("--stack", action="store_true",
+                       help="run the main job on the embedded stack: `planekv up`, calibrate, a passkey prompt of "
+                            "--tokens decoded at --rates under placement policies changed through the REST API, "
+                            "the table and plot, `planekv down`")
+    stack.add_argument("--hots", type=int, nargs="+", default=[8, 4, 2],
+                       help="hot planes of the policy's successive versions (8: every plane on the device)")
+    stack.add_argument("--promotion-mib", type=float, default=4.0, help="the worker's promotion cache, MiB")
+    stack.add_argument("--out", default="results/demo", help="where the JSON and the plot go")
     d.set_defaults(func=_demo)
 
     # Subcommands owned by other parts register themselves here (each module exposes

@@ -22,7 +22,8 @@ def _up(args: argparse.Namespace) -> int:
     ports = Ports()
     if args.free_ports:
         ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
-    worker_args = ["--calib-tokens", str(args.calib_tokens), "--reader", args.reader, "--policy", args.policy]
+    worker_args = ["--calib-tokens", str(args.calib_tokens), "--reader", args.reader, "--policy", args.policy,
+                   "--promotion-mib", str(args.promotion_mib)]
     worker_args += ["--model", args.model] if args.model else []
     worker_args += ["--calibration", args.calibration] if args.calibration else []
     try:
@@ -78,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--calib-tokens", type=int, default=1024, help="calibration tokens when calibrating at load")
     u.add_argument("--policy", default="default", help="placement policy the workers follow (control plane)")
     u.add_argument("--reader", default="reference", choices=("reference", "triton"), help="the workers' reader")
+    u.add_argument("--promotion-mib", type=float, default=64.0,
+                   help="each tiered cache's promotion cache on the device, MiB (docs/TIERING.md)")
     u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every process to be healthy")
     u.set_defaults(func=_up)
     d = sub.add_parser("down", help="stop exactly what `planekv up` started")

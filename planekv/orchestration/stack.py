@@ -267,7 +267,7 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
                                   "--gpus", "1" if i < n_gpus else "0", "--control-url",
                                   f"http://127.0.0.1:{ports.control}", *(worker_args or [])],
                   port, f"http://127.0.0.1:{port}")
-        _wait(state, [c.name for c in state.components], t0 + timeout, say)
+        _wait(state, [c.name for c in state.components if c.name not in ("redis", "ray")], t0 + timeout, say)
     except BaseException:
         down(data_dir, say=say)
         raise

@@ -200,15 +200,9 @@ class PlaneWorker:
         st.sequences += 1
         st.tokens_generated += int(new.numel())
         steps = max(0, int(new.numel()) - 1)  # the first token comes from the dense prefill
-        st.decode_steps += steps
-        st.bits_read += cache.tally.k_bits + cache.tally.v_bits
-        st.dense_bits += cache.tally.dense_bits
-        st.capped_bits += cache.tier_tally.capped_bits
-        st.wanted_bits += cache.tier_tally.wanted_bits
-        st.seconds += dt
-        tb = cache.pages.bytes() if tiering is not None and cache.pages is not None else None
-        st.tier_bytes = {} if tb is None else {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion,
-                                                "host": tb.host}
+        self._count_decode(cache, steps, dt, tiered=tiering is not None)
+        if tiering is None:
+            st.tier_bytes = {}
         return {"text": tok.decode(new, skip_special_tokens=True), "prompt_tokens": int(ids.shape[1]),
                 "new_tokens": int(new.numel()), "bits_per_scalar": cache.tally.bits_per_scalar,
                 "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
@@ -252,6 +246,71 @@ class PlaneWorker:
             st.dense_bits += tally.dense_bits
             return {"nll": nll, "tokens": int(n), "ppl": float(torch.exp(torch.tensor(nll / max(n, 1)))),
                     "bits_per_scalar": tally.bits_per_scalar, "seconds": time.perf_counter() - t0}
+
+    def passkey(self, context: int = 2048, rates: tuple[float, ...] = (4.0, 2.0), seed: int = 0,
+                system: str = "readkv-flexible", with_dense: bool = True) -> dict[str, Any]:
+        """One passkey trial (planekv.evaluation.passkey: a five-digit key hidden in ``context`` tokens of filler):
+        one dense prefill, then a greedy answer read from a PlaneKV cache at each rate under the placement policy
+        in force (tiered when there is one); per rate the answer, whether it is the key, bits read per scalar,
+        caps and bytes per tier; and dense attention's answer (``with_dense``)."""
+        from ..evaluation import passkey as pk
+        from ..evaluation.common import SystemRow, build_system, default_k_share
+        from ..evaluation.texts import FILLER_TEXT, tokenize_text
+        from ..models.hf import Tiering, make_cache
+
+        if context < 256 or not rates:
+            raise ValueError("passkey needs a context of at least 256 tokens and at least one rate")
+        self.wait_ready()
+        with self._lock:
+            s = self.setup
+            tok, model = s.lm.tokenizer, s.lm.model
+            filler = tokenize_text(tok, FILLER_TEXT)
+            trial = pk.make_trials(context, 1, seed, filler.numel())[0]
+            ids = pk.build_prompt(tok, filler, trial)
+            t0 = time.perf_counter()
+            first, keys, values = pk.dense_prefill(model, ids)
+            prefill_s = time.perf_counter() - t0
+            placement = self.placement()
+            rows = [SystemRow("dense", 16.0)] * with_dense + [SystemRow(system, r, default_k_share(r)
+                                                           if system == "readkv-flexible" else None) for r in rates]
+            out = []
+            for row in rows:
+                kv = build_system(row, s.codec)
+                tiering = None if placement is None or row.name == "dense" else Tiering(
+                    hot=placement.hot_planes.k, max_tokens=context + pk.MAX_NEW_TOKENS + 1,
+                    promotion_bytes=int(self.promotion_mib * (1 << 20)), placement=placement)
+                cache = make_cache(model, kv, reader=self.reader, tiering=tiering)
+                cache.prefill_from(keys, values)
+                t1 = time.perf_counter()
+                text = pk.greedy_decode(model, cache, first, tok)
+                dt = time.perf_counter() - t1
+                answer = pk.parse_answer(text)
+                tb = cache.pages.bytes() if tiering is not None else None
+                steps = len(tok(text, add_special_tokens=False)["input_ids"]) - 1  # the first came from the prefill
+                self._count_decode(cache, steps=max(0, steps), seconds=dt, tiered=tiering is not None)
+                out.append({"system": row.name, "rate": row.rate, "answer": answer, "hit": answer == trial.key,
+                            "bits_per_scalar": 16.0 if row.name == "dense" else cache.tally.bits_per_scalar,
+                            "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
+                            "tier_bytes": None if tb is None else {"hot": tb.hot, "open": tb.open,
+                                                                   "promotion": tb.promotion, "host": tb.host},
+                            "decode_seconds": dt})
+            self.stats_.requests["passkey"] = self.stats_.requests.get("passkey", 0) + 1
+            return {"context": context, "key": trial.key, "depth": trial.depth, "prefill_seconds": prefill_s,
+                    "policy_version": self.stats_.policy_version,
+                    "hot_planes": None if placement is None else placement.hot_planes.model_dump(),
+                    "rows": out}
+
+    def _count_decode(self, cache: Any, steps: int, seconds: float, tiered: bool) -> None:
+        st = self.stats_
+        st.decode_steps += steps
+        st.bits_read += cache.tally.k_bits + cache.tally.v_bits
+        st.dense_bits += cache.tally.dense_bits
+        if tiered:
+            st.capped_bits += cache.tier_tally.capped_bits
+            st.wanted_bits += cache.tier_tally.wanted_bits
+            tb = cache.pages.bytes()
+            st.tier_bytes = {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion, "host": tb.host}
+        st.seconds += seconds
 
     # ---- reporting ----
 
