@@ -185,14 +185,75 @@ class PlaneKVCache:
 
     def free(self, b: int) -> None:
         """Release sequence b's pages (zeroed for reuse) and reset its lengths."""
-        pages = self.page_table[b][self.page_table[b] >= 0].unique()
+        self._release(self.page_table[b][self.page_table[b] >= 0].unique())
+        self.page_table[b] = -1
+        self.lengths[:, b] = 0
+
+    def _release(self, pages: torch.Tensor) -> None:
+        """Zero ``pages`` (page ids [n]) in every layer and return them to the free list."""
         if pages.numel():
             idx = pages.to(self.device)
             self.k_pool[:, idx] = 0
             self.v_pool[:, idx] = 0
             self._free.extend(pages.tolist())
-        self.page_table[b] = -1
-        self.lengths[:, b] = 0
+
+    # ---- batch edits (beam search, batch subsets, speculative rollback) ----
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Make the batch the sequences ``rows`` [B'] (int64 indices into the current batch; repeats allowed):
+        sequence i becomes sequence ``rows[i]``, every layer. The first occurrence of a sequence keeps its
+        pages; each repeat gets a copy of them (appends write pages in place, so sequences never share one);
+        the pages of sequences not selected are freed."""
+        rows = torch.as_tensor(rows).cpu()
+        if rows.dim() != 1 or rows.numel() == 0 or rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"rows must be a non-empty 1-D integer tensor, got {tuple(rows.shape)} {rows.dtype}")
+        rows = rows.long()
+        if bool(((rows < 0) | (rows >= self.batch_size)).any()):
+            raise IndexError(f"rows {rows.tolist()} out of range for a batch of {self.batch_size} sequences")
+        seen: set[int] = set()
+        repeat = torch.zeros(rows.numel(), dtype=torch.bool)  # [B']: a repeat of a sequence selected before
+        for i, r in enumerate(rows.tolist()):
+            repeat[i] = r in seen
+            seen.add(r)
+        dropped = torch.tensor([b not in seen for b in range(self.batch_size)])  # [B]
+        old = self.page_table[dropped]
+        self._release(old[old >= 0])  # first: the copies may take these pages
+        table = self.page_table[rows].clone()  # [B', Hkv, slots]
+        copies = table[repeat]  # [repeats, Hkv, slots]: source pages of the copies
+        used = copies >= 0
+        n = int(used.sum())
+        if n > len(self._free):
+            self._grow(n - len(self._free))
+        fresh = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
+        if n:
+            dst, src = fresh.to(self.device), copies[used].to(self.device)
+            self.k_pool[:, dst] = self.k_pool[:, src]
+            self.v_pool[:, dst] = self.v_pool[:, src]
+        copies[used] = fresh
+        table[repeat] = copies
+        self.page_table = table
+        self.lengths = self.lengths[:, rows].clone()
+        self.batch_size = rows.numel()
+
+    def truncate(self, b: int, length: int) -> None:
+        """Sequence b keeps its first ``length`` tokens in every layer (a layer holding fewer keeps its own):
+        the planes of the dropped tokens are cleared (a later append ORs bits into them) and pages that no layer
+        uses any more are freed."""
+        if not 0 <= b < self.batch_size or length < 0:
+            raise ValueError(f"sequence {b} of {self.batch_size}, length {length}: out of range")
+        p = self.spec.page_size
+        slot, off = divmod(length, p)
+        longer = [layer for layer in range(self.spec.n_layers) if self.length(layer, b) > length]
+        if off and longer:  # the page holding token `length` keeps its first `off` tokens
+            pages = self.page_table[b, :, slot].to(self.device)  # [Hkv]
+            keep = pack_bits((torch.arange(p, device=self.device) < off).to(torch.uint8))  # [P/8]
+            for layer in longer:
+                self.k_pool[layer, pages] &= keep
+                self.v_pool[layer, pages, :, off:] = 0
+        gone = self.page_table[b, :, -(-length // p):]  # [Hkv, slots]: pages past the kept tokens
+        self._release(gone[gone >= 0])
+        gone.fill_(-1)
+        self.lengths[:, b] = self.lengths[:, b].clamp(max=length)
 
     # ---- write path ----
 

@@ -28,6 +28,7 @@ import importlib.metadata
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,15 +82,16 @@ def get_reader(name: str) -> Reader:
 
 
 def _windowed_reference(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
-                        scale: float | None, window: int) -> tuple[torch.Tensor, ReadStats]:
-    """Reference decode read of only the newest ``window`` tokens (sliding-window layers)."""
+                        scale: float | None, starts: torch.Tensor) -> tuple[torch.Tensor, ReadStats]:
+    """Reference decode read of sliding-window layers: sequence b reads its stored tokens from ``starts[b]`` on
+    (starts [B]: the stored tokens before its window)."""
     outs, parts = [], []
     for b in range(q.shape[0]):
         t = cache.length(layer, b)
         out, st = reference.readkv_rows(
             q[b][:, None, :], lambda dep, b=b: cache.read_k(layer, b, dep),
             lambda dep, b=b: cache.read_v(layer, b, dep), codec, layer, policy,
-            torch.tensor([t]), torch.tensor([max(0, t - window)]), scale)
+            torch.tensor([t]), starts[b:b + 1], scale)
         outs.append(out[:, 0])
         st.k_depths = st.v_depths = None
         parts.append(st)
@@ -263,7 +265,9 @@ class ReadTally:
 # The PlaneKV cache for transformers
 # ---------------------------------------------------------------------------------------------
 
-_PENDING: contextvars.ContextVar[tuple[PlaneKVHFCache, int, str] | None] = contextvars.ContextVar(
+# the cache, layer and key states [B, Hkv, S, d] of a step whose K/V wait for the attention function (which has
+# the step's mask); the attention function takes them only when it is handed those very key states
+_PENDING: contextvars.ContextVar[tuple[PlaneKVHFCache, int, torch.Tensor] | None] = contextvars.ContextVar(
     "planekv_pending", default=None)
 _TEACHER: contextvars.ContextVar[_TeacherForced | None] = contextvars.ContextVar("planekv_teacher", default=None)
 _CAPTURE: contextvars.ContextVar[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] | None] = \
@@ -271,14 +275,19 @@ _CAPTURE: contextvars.ContextVar[dict[int, tuple[torch.Tensor, torch.Tensor, tor
 
 
 class _PlaneKVLayer(DynamicLayer):
-    """One layer of :class:`PlaneKVHFCache`. ReadKV systems keep only codes (in the shared paged
-    cache); baseline systems keep model-domain K/V here and re-encode them at each step."""
+    """One layer of :class:`PlaneKVHFCache`. ``update`` hands a step's K/V over; the ``planekv`` attention function
+    writes them once it has the step's attention mask, so padding tokens are never stored, read or counted.
+    ReadKV systems keep only codes (in the cache's shared pages); baseline systems keep the model-domain K/V of every
+    position here (``keys``/``values``) and re-encode the stored ones at each step."""
 
     def __init__(self, owner: PlaneKVHFCache, layer_idx: int) -> None:
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
-        self.length = 0
+        self.length = 0  # positions seen, padding included (what transformers counts)
+        self.stored = torch.zeros((0, 0), dtype=torch.bool)  # [B, length]: positions written (not padding), CPU
+        self.unwritten: tuple[torch.Tensor, torch.Tensor, int] | None = None  # K, V [B, Hkv, S, d]; first position
+        self.is_croppable = owner.tiering is None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -286,17 +295,25 @@ class _PlaneKVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value_states [B, Hkv, S, d] (K after RoPE). Writes them, returns them unchanged."""
+        """key/value_states [B, Hkv, S, d] (K after RoPE): held for the attention function, returned unchanged."""
+        if self.unwritten is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: the K/V of an earlier step were never written; a PlaneKV "
+                               f"cache needs the model's attention implementation {ATTN_IMPLEMENTATION!r} "
+                               "(planekv.models.hf.use_planekv_attention)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        s = key_states.shape[2]
-        mode = "prefill" if self.length == 0 else "decode"
-        if mode == "decode" and s != 1:
-            raise NotImplementedError("PlaneKV decodes one token per step after the prefill")
-        self.owner._write(self, key_states, value_states)
-        self.length += s
-        _PENDING.set((self.owner, self.layer_idx, mode))
+        self.owner._admit(key_states.shape[0])
+        self.unwritten = (key_states, value_states, self.length)
+        self.length += key_states.shape[2]
+        _PENDING.set((self.owner, self.layer_idx, key_states))
         return key_states, value_states
+
+    def take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's K, V [B, Hkv, S, d] and the position of its first token, handed over once."""
+        if self.unwritten is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no K/V waiting to be written")
+        step, self.unwritten = self.unwritten, None
+        return step
 
     def get_seq_length(self) -> int:
         return self.length
@@ -310,6 +327,24 @@ class _PlaneKVLayer(DynamicLayer):
     def reset(self) -> None:
         raise NotImplementedError("a PlaneKV cache is not reset in place; make a new one")
 
+    def _whole_cache_only(self, *args: Any) -> None:
+        raise NotImplementedError("reorder, batch and crop edits apply to the whole PlaneKVHFCache (its pages are "
+                                  "shared by every layer): call them on the cache")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _whole_cache_only  # type: ignore[assignment]
+
+
+def _unpadded(mask: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:
+    """[B, S] bool (CPU): the step's S new tokens that are not padding, from the mask the attention function gets
+    (bool [B or 1, 1, S, kv], its last S columns the new tokens; None: no padding). transformers masks a padding
+    token's key for every query, so a token is padding when no query of its step attends to it."""
+    if mask is None:
+        return torch.ones((batch, n_new), dtype=torch.bool)
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[2] != n_new or mask.shape[3] < n_new:
+        raise ValueError(f"the {ATTN_IMPLEMENTATION!r} attention expects a boolean mask [B, 1, {n_new}, kv] "
+                         f"(transformers' sdpa_mask), got {mask.dtype} {tuple(mask.shape)}")
+    return mask[:, 0, :, -n_new:].any(1).cpu().expand(batch, n_new)
+
 
 @dataclass(frozen=True)
 class Tiering:
@@ -321,25 +356,33 @@ class Tiering:
     max_tokens: int
     promotion_bytes: int = 64 << 20
     prefetch: bool = True
+    placement: PlacementPolicy | None = None  # a whole policy (per-layer hot planes); overrides ``hot``
 
 
 class PlaneKVHFCache(Cache):
-    """A transformers ``Cache`` backed by PlaneKV (or by a baseline system, for comparison).
+    """A transformers ``Cache`` backed by PlaneKV (or by a baseline system, for comparison), driven as
+    ``DynamicCache`` is: it takes the batch of its first step; padded batches (the attention mask), beam search
+    (``reorder_cache``), ``batch_select_indices``, ``batch_repeat_interleave`` and ``crop`` (assisted decoding)
+    work on it.
 
     ``system`` is a :class:`planekv.kvstore.reference.ReadKV` (its policy and codec are used; decode
     steps read the paged cache through ``reader``) or any other ``KVSystem`` (K/V kept in the
-    model domain and passed through ``encode``/``attend`` every step). ``tally`` accumulates the
-    logical read of every decode step. With ``tiering`` the ReadKV codes live in a
-    :class:`planekv.tiering.TieredCache` and decode steps read what is resident (``tier_tally``: caps and
-    prefetch hits; the "triton" reader runs the FMA stages over it).
+    model domain and passed through ``encode``/``attend`` every step). The prefill attends densely; every later
+    token (one per decode step, or several per step, each then reading the cache up to itself) reads the cache.
+    Padding tokens (masked for every query, as transformers masks them) are never stored, so no reader reads them
+    and ``tally`` (the logical read of every decode step) never counts them; padding after the prompt is refused.
+    With ``tiering`` the ReadKV codes live in a :class:`planekv.tiering.TieredCache` and decode steps read what is
+    resident (``tier_tally``: caps and prefetch hits; the "triton" reader runs the FMA stages over it); a tiered
+    cache cannot reorder, select, repeat or crop its sequences yet (NotImplementedError).
     """
 
-    def __init__(self, system: KVSystem, n_layers: int, batch_size: int = 1, reader: str = "reference",
+    def __init__(self, system: KVSystem, n_layers: int, *, reader: str = "reference",
                  device: str | torch.device = "cpu", tiering: Tiering | None = None) -> None:
         super().__init__(layers=[])
-        self.layers = [_PlaneKVLayer(self, i) for i in range(n_layers)]
         self.system = system
-        self.batch_size_ = batch_size
+        self.tiering = tiering
+        self.device = torch.device(device)
+        self.layers = [_PlaneKVLayer(self, i) for i in range(n_layers)]
         self.tally = ReadTally()
         self.is_readkv = isinstance(system, reference.ReadKV)
         self.reader_name = reader
@@ -348,10 +391,11 @@ class PlaneKVHFCache(Cache):
             ref_only = system.policy.reference_only_options()  # type: ignore[attr-defined]
             if ref_only:
                 raise ValueError(f"ReadPolicy options {ref_only} are implemented by the reference reader only")
-        self.pages: PlaneKVCache | TieredCache | None = None
-        self.tiering = tiering
+        self.pages: PlaneKVCache | TieredCache | None = None  # opened at the first step, for its batch
+        self.n_sequences: int | None = None  # the batch the cache holds (None before the first step)
         self.tier_tally = StepTally()
-        self._prefetcher = Prefetcher() if tiering is not None and tiering.prefetch else None
+        self._prefetcher: Prefetcher | None = None
+        self._placement: PlacementPolicy | None = None
         self._tiered_read: Callable[..., tuple[torch.Tensor, ReadStats]] | None = None
         if tiering is not None and not self.is_readkv:
             raise ValueError(f"tiering needs a ReadKV system, got {system.name}")
@@ -359,13 +403,10 @@ class PlaneKVHFCache(Cache):
             codec: Codec = system.codec  # type: ignore[attr-defined]
             if codec.spec.n_layers != n_layers:
                 raise ValueError(f"format has {codec.spec.n_layers} layers, the model {n_layers}")
-            if tiering is None:
-                self.pages = PlaneKVCache(codec.spec, batch_size, device=device)
-            else:
-                placement = PlacementPolicy(format_id=codec.spec.format_id, width=codec.spec.width,
-                                            hot_planes=HotPlanes(k=tiering.hot, v=tiering.hot))
-                self.pages = TieredCache(codec.spec, batch_size, placement, tiering.max_tokens, device=device,
-                                         promotion_bytes=tiering.promotion_bytes)
+            if tiering is not None:
+                self._placement = tiering.placement or PlacementPolicy(
+                    format_id=codec.spec.format_id, width=codec.spec.width,
+                    hot_planes=HotPlanes(k=tiering.hot, v=tiering.hot))
                 if reader == "triton":
                     from ..kernels import ReaderConfig, TritonReader
 
@@ -374,63 +415,189 @@ class PlaneKVHFCache(Cache):
                     self._tiered_read = lambda q, c, layer, scale: tr.decode_tiered(q, c, layer, scale)
                 elif reader != "reference":
                     raise ValueError(f"a tiered cache is read by the 'reference' or 'triton' reader, got {reader!r}")
-        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # batch ---------------------------------------------------------------------------------------
+
+    def _is_empty(self) -> bool:
+        return all(layer.length == 0 for layer in self.layers)
+
+    def _admit(self, batch: int) -> None:
+        """A step of ``batch`` sequences: an empty cache opens for it (as DynamicCache takes the batch of its first
+        update); a cache holding tokens must already hold that batch."""
+        if self._is_empty():
+            if batch != self.n_sequences:
+                self._open(batch)
+        elif batch != self.n_sequences:
+            raise ValueError(f"the cache holds {self.n_sequences} sequences, the step brings {batch}: change its "
+                             "batch first (batch_select_indices, batch_repeat_interleave, reorder_cache)")
+
+    def _open(self, batch: int) -> None:
+        self.n_sequences = batch
+        for layer in self.layers:
+            layer.stored = torch.zeros((batch, 0), dtype=torch.bool)
+            layer.keys = layer.values = None
+        if not self.is_readkv:
+            return
+        spec = self.system.codec.spec  # type: ignore[attr-defined]
+        if self.tiering is None:
+            self.pages = PlaneKVCache(spec, batch, device=self.device)
+        else:
+            assert self._placement is not None
+            self.pages = TieredCache(spec, batch, self._placement, self.tiering.max_tokens, device=self.device,
+                                     promotion_bytes=self.tiering.promotion_bytes)
+            self._prefetcher = Prefetcher() if self.tiering.prefetch else None
+
+    def _refuse_if_tiered(self, operation: str) -> None:
+        if self.tiering is not None:
+            raise NotImplementedError(f"{operation} is not supported by a tiered PlaneKV cache yet: TieredCache "
+                                      "cannot copy, drop or shorten its sequences")
+
+    def _select(self, operation: str, index: torch.Tensor) -> None:
+        """Sequence i becomes sequence ``rows[i]`` (rows: ``torch.arange(B)[index]``, ``index`` integer indices,
+        repeats allowed, or a bool mask [B]), in the pages and in every layer's bookkeeping."""
+        if self._is_empty():
+            return  # nothing held: the next step opens the cache for its batch
+        self._refuse_if_tiered(operation)
+        assert self.n_sequences is not None
+        rows = torch.arange(self.n_sequences)[torch.as_tensor(index).cpu()]  # [B'] int64
+        if rows.dim() != 1 or rows.numel() == 0:
+            raise ValueError(f"{operation}: select at least one sequence with a 1-D index, got {tuple(rows.shape)}")
+        if self.pages is not None:
+            self.pages.select(rows)  # type: ignore[union-attr]
+        for layer in self.layers:
+            layer.stored = layer.stored[rows]
+            if layer.keys is not None and layer.values is not None:
+                on = rows.to(layer.keys.device)
+                layer.keys, layer.values = layer.keys[on], layer.values[on]
+        self.n_sequences = rows.numel()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence i continues beam ``beam_idx[i]`` (a beam taken twice is copied)."""
+        self._select("reorder_cache", beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (integer indices or a bool mask over the batch), in that order."""
+        self._select("batch_select_indices", indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times: sequence b becomes b * repeats .. (b + 1) * repeats - 1."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        if self.n_sequences is not None:
+            self._select("batch_repeat_interleave", torch.arange(self.n_sequences).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` positions of every sequence (a number <= 0, as DynamicCache.crop
+        takes it; assisted decoding rolls rejected tokens back with it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to remove (as DynamicCache.crop), "
+                             f"got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or self._is_empty():
+            return
+        self._refuse_if_tiered("crop")
+        length = self.layers[0].length
+        if any(layer.length != length for layer in self.layers):
+            raise RuntimeError("crop between forward passes only: the layers hold different lengths")
+        if n > length:
+            raise ValueError(f"cannot remove {n} positions from a cache of {length}")
+        keep = length - n
+        if self.pages is not None:
+            for b, tokens in enumerate(self.layers[0].stored[:, :keep].sum(1).tolist()):
+                self.pages.truncate(b, tokens)  # type: ignore[union-attr]
+        for layer in self.layers:
+            layer.length = keep
+            layer.stored = layer.stored[:, :keep]
+            if layer.keys is not None and layer.values is not None:
+                layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
 
     # write path ------------------------------------------------------------------------------
 
-    def _write(self, layer: _PlaneKVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _store(self, layer: _PlaneKVLayer, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> None:
+        """Write k/v [B, Hkv, S, d] (K after RoPE) at the layer's next S positions, ``keep`` [B, S] (bool, CPU)
+        saying which are tokens (the others are padding): codes of the tokens go to the pages (ReadKV), model-domain
+        K/V of every position to the layer (baselines, which read only the stored positions)."""
         i = layer.layer_idx
-        if k.shape[0] != self.batch_size_:
-            raise ValueError(f"cache made for batch {self.batch_size_}, got {k.shape[0]}")
         if self.pages is not None:
             codec: Codec = self.system.codec  # type: ignore[attr-defined]
-            self.pages.append(i, codec.encode_k(k.float(), i), codec.encode_v(v.float(), i))
+            kc, vc = codec.encode_k(k.float(), i), codec.encode_v(v.float(), i)  # [B, Hkv, S, d] uint8
+            if bool(keep.all()):
+                self.pages.append(i, kc, vc)
+            else:
+                for b in range(kc.shape[0]):
+                    tokens = keep[b].nonzero()[:, 0].to(kc.device)  # [n_b]
+                    self.pages.append(i, kc[b][:, tokens], vc[b][:, tokens], seq=b)
         else:
             k, v = k.detach().float(), v.detach().float()
-            if i in self._kv:
-                k = torch.cat([self._kv[i][0], k], 2)
-                v = torch.cat([self._kv[i][1], v], 2)
-            self._kv[i] = (k, v)
+            layer.keys = k if layer.keys is None else torch.cat([layer.keys, k], 2)
+            layer.values = v if layer.values is None else torch.cat([layer.values, v], 2)
+        layer.stored = torch.cat([layer.stored, keep], 1)
 
     def prefill_from(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write a prompt's K/V ([B, Hkv, N, d] per layer, K after RoPE) computed elsewhere, so one
+        """Write a prompt's K/V ([B, Hkv, N, d] per layer, K after RoPE, no padding) computed elsewhere, so one
         dense prefill can be shared by several systems."""
         for layer, k, v in zip(self.layers, keys, values, strict=True):
             if layer.length:
                 raise ValueError("prefill_from needs an empty cache")
             if not layer.is_initialized:
                 layer.lazy_initialization(k, v)
-            self._write(layer, k, v)
+            self._admit(k.shape[0])
+            self._store(layer, k, v, torch.ones((k.shape[0], k.shape[2]), dtype=torch.bool))
             layer.length = k.shape[2]
 
     # read path -------------------------------------------------------------------------------
 
-    def _read(self, layer: int, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """One decode step of ``layer``: q [B, Hq, d] -> out [B, Hq, d] (float32)."""
+    def _step(self, layer_idx: int, q: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              window: int | None) -> torch.Tensor | None:
+        """Write the layer's waiting K/V, less the padding ``mask`` (the attention function's) shows, and read for
+        queries q [B, Hq, S, d]: None for the prefill (the caller attends densely), else out [B, Hq, S, d]
+        (float32), token j written and then read over every stored token up to it (its sliding window)."""
+        layer = self.layers[layer_idx]
+        k, v, past = layer.take_unwritten()
+        keep = _unpadded(mask, k.shape[0], k.shape[2])  # [B, S]
+        if past == 0:
+            self._store(layer, k, v, keep)
+            return None
+        if not bool(keep.all()):
+            raise ValueError("padding after the prompt (a masked token in a step after the prefill) is not "
+                             "supported by a PlaneKV cache: pad prompts on the left or right only")
+        outs = []
+        for j in range(k.shape[2]):
+            self._store(layer, k[:, :, j:j + 1], v[:, :, j:j + 1], keep[:, j:j + 1])
+            outs.append(self._read(layer, q[:, :, j].float(), scale, window))
+        return torch.stack(outs, 2)
+
+    def _read(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """One query per sequence at the layer's last position: q [B, Hq, d] -> out [B, Hq, d] (float32)."""
+        i = layer.layer_idx
+        seen = layer.stored.shape[1]  # positions up to and including the query's
+        starts = None  # [B]: stored tokens before a sliding window, where it leaves any out
+        if window is not None and seen > window and bool(layer.stored[:, :seen - window].any()):
+            starts = layer.stored[:, :seen - window].sum(1)
         if self.pages is not None:
             codec: Codec = self.system.codec  # type: ignore[attr-defined]
             policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
-            t = self.layers[layer].length
             if isinstance(self.pages, TieredCache):
-                if window is not None and t > window:
+                if starts is not None:
                     raise NotImplementedError("sliding-window layers are not read from a tiered cache yet")
-                out, st = tiered_decode_step(q, self.pages, layer, codec, policy, self._prefetcher, self.tier_tally,
+                out, st = tiered_decode_step(q, self.pages, i, codec, policy, self._prefetcher, self.tier_tally,
                                              scale, self._tiered_read)
-            elif window is not None and t > window:
-                out, st = _windowed_reference(q, self.pages, layer, codec, policy, scale, window)
+            elif starts is not None:
+                out, st = _windowed_reference(q, self.pages, i, codec, policy, scale, starts)
             else:
                 assert self.reader is not None
-                out, st = self.reader(q, self.pages, layer, codec, policy, scale)
-            self.tally.add(layer, st)
+                out, st = self.reader(q, self.pages, i, codec, policy, scale)
+            self.tally.add(i, st)
             return out
-        k, v = self._kv[layer]
-        t = k.shape[2]
-        start = None if window is None or t <= window else torch.tensor([t - window])
+        assert layer.keys is not None and layer.values is not None
         outs = []
         for b in range(q.shape[0]):
-            enc = self.system.encode(k[b], v[b], layer)
-            out, st = self.system.attend(q[b][:, None, :], enc, torch.tensor([t]), start, scale)
-            self.tally.add(layer, st)
+            tokens = layer.stored[b].to(layer.keys.device)  # [seen]
+            k, v = layer.keys[b][:, tokens], layer.values[b][:, tokens]  # [Hkv, T_b, d]
+            enc = self.system.encode(k, v, i)
+            start = None if starts is None else starts[b:b + 1]
+            out, st = self.system.attend(q[b][:, None, :], enc, torch.tensor([k.shape[1]]), start, scale)
+            self.tally.add(i, st)
             outs.append(out[:, 0])
         return torch.stack(outs)
 
@@ -438,7 +605,8 @@ class PlaneKVHFCache(Cache):
 
     @property
     def batch_size(self) -> int:  # type: ignore[override]
-        return self.batch_size_
+        """Sequences held; -1 before the first step (as transformers reports an uninitialized cache)."""
+        return -1 if self.n_sequences is None else self.n_sequences
 
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
@@ -547,12 +715,11 @@ def planekv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         return out.to(query.dtype).transpose(0, 1)[None], None
 
     pending = _PENDING.get()
-    if pending is not None and pending[1] == layer:
+    if pending is not None and pending[1] == layer and pending[2] is key:
         _PENDING.set(None)
-        cache, _, mode = pending
-        if mode == "decode":
-            out = cache._read(layer, query[:, :, 0, :].float(), scale, window)  # [B, Hq, d]
-            return out.to(query.dtype)[:, None], None
+        out = pending[0]._step(layer, query, attention_mask, scale, window)  # [B, Hq, S, d]; None: the prefill
+        if out is not None:
+            return out.to(query.dtype).transpose(1, 2), None
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -574,8 +741,12 @@ def register_attention() -> None:
     _REGISTERED = True
 
 
-def make_cache(model: Any, system: KVSystem, batch_size: int = 1, reader: str = "reference",
+def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, reader: str = "reference",
                tiering: Tiering | None = None) -> PlaneKVHFCache:
-    """A :class:`PlaneKVHFCache` for ``model`` (pass it as ``past_key_values`` to generate/forward)."""
+    """A :class:`PlaneKVHFCache` for ``model`` (pass it as ``past_key_values`` to generate/forward). It takes the
+    batch of its first step, as DynamicCache does; ``batch_size`` is ignored (kept so that older calls run)."""
+    if batch_size is not None:
+        warnings.warn("make_cache(batch_size=...) is ignored: the cache takes the batch of its first step",
+                      DeprecationWarning, stacklevel=2)
     dev = next(model.parameters()).device
-    return PlaneKVHFCache(system, geometry(model).n_layers, batch_size, reader, device=dev, tiering=tiering)
+    return PlaneKVHFCache(system, geometry(model).n_layers, reader=reader, device=dev, tiering=tiering)

@@ -358,3 +358,58 @@ def test_v_runs_keep_each_tokens_planes_together(gen, tmp_path, v_run):
     assert torch.equal(loaded.read_v(0, 0, 8), vc)
     with pytest.raises(FormatMismatch):
         PlaneKVCache.load(tmp_path / "c.pt", _spec(n_kv_heads=2))
+
+
+def test_select_reorders_repeats_and_drops_sequences(gen):
+    """select(rows): sequence i becomes sequence rows[i] in every layer; a repeat is a copy (its appends
+    leave the original alone) and the pages of dropped sequences are freed, zeroed, before copies take pages."""
+    spec = _spec(n_layers=2)
+    cache = PlaneKVCache(spec, 3, max_pages=12)  # room for 3 sequences of 2 slots x 2 heads, no more
+    data = [[(_codes(gen, spec, 70), _codes(gen, spec, 70)) for _ in range(2)] for _ in range(3)]  # [seq][layer]
+    for s in range(3):
+        for layer in range(2):
+            cache.append(layer, *data[s][layer], seq=s)
+    cache.select(torch.tensor([1, 0, 1]))
+    assert cache.batch_size == 3 and cache.pages_in_use == 3 * 2 * 2  # 3 sequences x 2 heads x 2 slots
+    for i, s in enumerate([1, 0, 1]):
+        for layer in range(2):
+            assert torch.equal(cache.read_k(layer, i, 8), data[s][layer][0])
+            assert torch.equal(cache.read_v(layer, i, 8), data[s][layer][1])
+    more = _codes(gen, spec, 3), _codes(gen, spec, 3)
+    cache.append(0, *more, seq=2)
+    assert torch.equal(cache.read_k(0, 2, 8), torch.cat([data[1][0][0], more[0]], 1))
+    assert torch.equal(cache.read_k(0, 0, 8), data[1][0][0])  # the original is untouched
+    dropped = cache.page_table[:2][cache.page_table[:2] >= 0]
+    cache.select(torch.tensor([2]))
+    assert cache.batch_size == 1 and cache.length(0, 0) == 73 and cache.length(1, 0) == 70
+    assert cache.pages_in_use == 2 * 2  # one sequence x 2 heads x 2 slots
+    assert int(cache.k_pool[:, dropped].sum()) == 0 and int(cache.v_pool[:, dropped].sum()) == 0
+    with pytest.raises(IndexError):
+        cache.select(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("keep", [0, 40, 64, 100])
+def test_truncate_clears_dropped_tokens(gen, keep):
+    """truncate(b, n) keeps the first n tokens of every layer; appending after it equals appending to a
+    cache that never held the dropped tokens, and pages past the kept tokens are freed."""
+    spec = _spec(n_layers=2)
+    cache, fresh = PlaneKVCache(spec, 2), PlaneKVCache(spec, 2)
+    kc, vc = _codes(gen, spec, 130, (2,)), _codes(gen, spec, 130, (2,))
+    tail_k, tail_v = _codes(gen, spec, 30), _codes(gen, spec, 30)
+    for layer in range(2):
+        cache.append(layer, kc[layer], vc[layer], seq=0)
+        cache.append(layer, kc[layer], vc[layer], seq=1)
+        fresh.append(layer, kc[layer][:, :keep], vc[layer][:, :keep], seq=0)
+    cache.truncate(0, keep)
+    assert cache.pages_in_use == 2 * 3 + 2 * -(-keep // 64)
+    for c in (cache, fresh):
+        c.append(0, tail_k, tail_v, seq=0)
+    assert torch.equal(cache.read_k(0, 0, 8), fresh.read_k(0, 0, 8))
+    assert torch.equal(cache.read_v(0, 0, 8), fresh.read_v(0, 0, 8))
+    assert torch.equal(_logical_pages(cache, 0, 0)[0], _logical_pages(fresh, 0, 0)[0])
+    assert cache.length(1, 0) == keep and torch.equal(cache.read_v(1, 0, 8), vc[1][:, :keep])
+    assert torch.equal(cache.read_k(0, 1, 8), kc[0])  # the other sequence is untouched
+    cache.truncate(1, 500)  # longer than it holds: nothing changes
+    assert cache.length(0, 1) == 130 and torch.equal(cache.read_v(0, 1, 8), vc[0])
+    with pytest.raises(ValueError, match="out of range"):
+        cache.truncate(2, 0)
