@@ -97,6 +97,16 @@ def ray_temp_dir(data_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"planekv-ray-{digest}"
 
 
+RAY_INTERNAL_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+                      "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
+
+
+def _ray_internal_ports() -> list[str]:
+    """Free ports for the Ray head's internal servers: Ray's fixed defaults (52365, 10001, ...) would collide with
+    another Ray on the same machine (a second stack, a test cluster)."""
+    return [f"--{name}={free_port()}" for name in RAY_INTERNAL_PORTS]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -252,7 +262,7 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
                       f"--port={ports.ray_gcs}", "--dashboard-host=127.0.0.1",
                       f"--dashboard-port={ports.ray_dashboard}", "--include-dashboard=true",
                       f"--num-cpus={max(2, os.cpu_count() or 2)}", f"--num-gpus={n_gpus}",
-                      "--disable-usage-stats", f"--temp-dir={ray_temp_dir(data_dir)}"],
+                      "--disable-usage-stats", f"--temp-dir={ray_temp_dir(data_dir)}", *_ray_internal_ports()],
               ports.ray_gcs, f"http://127.0.0.1:{ports.ray_dashboard}")
         _wait(state, ["redis"], t0 + timeout, say)
         start("control", _planekv("control", "--port", str(ports.control), "--redis-url", redis_url),
