@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     ray_gcs_port: int = 6380  # Ray's usual 6379 is Redis's
     ray_dashboard_port: int = 8265
     api_token: str | None = Field(default=None, description="bearer token required by the REST APIs")
+    allow_no_token: bool = Field(default=False, description="let a REST API without api_token listen on a "
+                                                            "non-loopback address (it warns instead of refusing)")
     device: str = "auto"  # "cuda", "cpu" or "auto"
     log_level: str = "INFO"
 

@@ -20,6 +20,8 @@ def add_common_arguments(p: argparse.ArgumentParser, what: str, port: int) -> No
     p.add_argument("--data-dir", type=Path, help="PlaneKV data dir (default: settings data_dir, ~/.planekv)")
     p.add_argument("--redis-url", help="Redis URL (default: settings redis_url, redis://127.0.0.1:6379/0)")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--allow-no-token", action="store_true", default=None,
+                   help="serve a non-loopback --host without PLANEKV_API_TOKEN (refused otherwise; logs a warning)")
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +52,8 @@ def _settings(args: argparse.Namespace, section: str, fields: tuple[str, ...],
         over["data_dir"] = args.data_dir
     if args.redis_url is not None:
         over["redis_url"] = args.redis_url
+    if args.allow_no_token is not None:
+        over["allow_no_token"] = args.allow_no_token
     return load_settings(**over)
 
 

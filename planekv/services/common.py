@@ -67,6 +67,7 @@ ERROR_STATUS: dict[type[BaseException], int] = {
 _DESCRIPTIONS = {
     400: "Bad input: the message says what is wrong", 401: "Missing or wrong bearer token",
     404: "Not found", 409: "Conflicts with what is stored", 413: "Body too large",
+    500: "Internal error: the message says what is inconsistent",
     503: "A dependency (Redis) is unreachable; retry", 507: "No room in the store",
 }
 

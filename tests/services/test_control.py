@@ -81,6 +81,34 @@ def test_bad_calibration_uploads_are_400_with_a_reason(ctl):
     assert ctl.get("/v1/calibrations/0123456789abcdef/artifact").status_code == 404
 
 
+@pytest.mark.parametrize("where", ["../../outside.bin", "{outside}"])
+def test_the_artifact_route_serves_only_files_in_the_calibration_directory(ctl, control: Proc, redis_url, where):
+    import hashlib
+
+    import redis
+
+    from planekv.services import index as ix
+
+    calib = make_calibration(30 + len(where))
+    assert put_calib(ctl, calib.calibration_id, calib.to_bytes()).status_code == 201
+    assert control.data_dir is not None
+    secret = control.data_dir / "outside.bin"  # next to data_dir/control/calibrations, not in it
+    secret.write_bytes(b"not for clients")
+    key = ix.k_calibration(calib.calibration_id)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        honest = r.hgetall(key)
+        # the worst case: the record names the file and carries its sha256, so the checksum would pass
+        r.hset(key, mapping={"file": where.format(outside=secret),
+                             "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()})
+        try:
+            art = ctl.get(f"/v1/calibrations/{calib.calibration_id}/artifact")
+            assert art.status_code == 500 and b"not for clients" not in art.content
+            assert "outside the calibration directory" in art.json()["detail"]
+        finally:
+            r.hset(key, mapping=honest)
+    assert ctl.get(f"/v1/calibrations/{calib.calibration_id}/artifact").content == calib.to_bytes()
+
+
 def test_calibration_computed_from_statistics_or_samples(ctl):
     stats = {"mu_k": [[[0.0] * 8]], "sigma_k": [[[1.0] * 8]], "mu_v": [[[0.5] * 8]], "sigma_v": [[[2.0] * 8]]}
     r = ctl.post("/v1/calibrations", json={"statistics": stats, "meta": {"why": "test"}})

@@ -14,6 +14,8 @@ from fastapi import FastAPI
 from ...settings import Settings, load_settings
 from ..arguments import add_control_arguments, control_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, run_uvicorn
+from ..docs_page import install_docs
+from ..exposure import check_exposure
 from . import routes_caches, routes_calibrations, routes_formats, routes_ops, routes_policies
 from .body_limit import BodyLimit
 from .context import ControlContext, calibration_dir
@@ -49,8 +51,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await r.aclose()
 
-    app = FastAPI(title="PlaneKV control plane", version="1", lifespan=lifespan,
+    app = FastAPI(title="PlaneKV control plane", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Formats, calibrations, placement policies, cache registry (metadata in Redis).")
+    install_docs(app)
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.control.max_calibration_bytes)
@@ -69,6 +72,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the control plane in the foreground until SIGINT/SIGTERM."""
     settings = control_settings(args)
     logging.getLogger().setLevel(settings.log_level)
+    check_exposure("control plane", settings.control.host, settings)
     run_uvicorn(create_app(settings), settings.control.host, settings.control.port, settings.log_level,
                 args.access_log)
     return 0

@@ -13,12 +13,13 @@ from starlette.responses import Response
 
 from .. import index as ix
 from ..common import error_responses
+from ..request_body import FiniteJSONRoute
 from .context import Context
 from .encoding import timestamp
 from .params import SeqId
 from .schemas import CacheDetail, CacheEntry, CacheList, CacheRegister, TierPlanes
 
-router = APIRouter(prefix="/v1/caches", tags=["caches"])
+router = APIRouter(prefix="/v1/caches", tags=["caches"], route_class=FiniteJSONRoute)
 
 
 def _cache_entry(seq: str, h: dict[str, str]) -> CacheEntry:

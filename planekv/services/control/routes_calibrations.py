@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +21,34 @@ from ...kvstore.calibration import CALIBRATION_VERSION
 from ...kvstore.errors import CalibrationError
 from .. import index as ix
 from ..common import error_responses, read_body
+from ..request_body import FiniteJSONRoute
 from .context import Context, ControlContext
 from .encoding import canonical_json, timestamp
 from .params import HexId
 from .schemas import CalibrationCompute, CalibrationList, CalibrationMeta
 
-router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"])
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/calibrations", tags=["calibrations"], route_class=FiniteJSONRoute)
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
 def _artifact_path(ctx: ControlContext, cid: str, sha: str) -> Path:
     return ctx.calibration_dir / f"{cid}-{sha[:16]}.pt"
+
+
+def _recorded_artifact(ctx: ControlContext, cid: str, name: str) -> Path:
+    """The artifact file a calibration's record names, refused (500) unless it lies in the calibration
+    directory: the record comes from Redis, which this service does not alone control."""
+    root = ctx.calibration_dir.resolve()
+    path = (root / name).resolve()
+    if path.parent != root:
+        log.error("calibration %s: its record in Redis names the file %r, outside %s; not served", cid, name, root)
+        raise HTTPException(500, f"the record of calibration {cid} in Redis names an artifact file outside the "
+                                 "calibration directory, so it is not served: the record was altered; restore its "
+                                 "'file' field (the artifact's file name, <calibration_id>-<sha256[:16]>.pt)")
+    return path
 
 
 def _meta(h: dict[str, str], cid: str) -> CalibrationMeta:
@@ -148,13 +165,13 @@ async def get_calibration(calibration_id: HexId, ctx: Context) -> CalibrationMet
 
 @router.get("/{calibration_id}/artifact", response_class=Response,
             responses={200: {"content": {"application/octet-stream": _BINARY}, "description": "the artifact"},
-                       **error_responses(404, 503)})
+                       **error_responses(404, 500, 503)})
 async def get_artifact(calibration_id: HexId, ctx: Context) -> Response:
     """The artifact bytes (sha256 verified on read); load with Calibration.from_bytes."""
     h = await ctx.redis.hgetall(ix.k_calibration(calibration_id))
     if not h:
         raise HTTPException(404, f"calibration {calibration_id} is not registered")
-    path = ctx.calibration_dir / h["file"]
+    path = _recorded_artifact(ctx, calibration_id, h["file"])
     try:
         blob = await run_in_threadpool(path.read_bytes)
     except OSError:

@@ -13,12 +13,13 @@ from starlette.responses import Response
 from ...kvstore import FormatSpec
 from .. import index as ix
 from ..common import error_responses
+from ..request_body import FiniteJSONRoute
 from .context import Context, ControlContext
 from .encoding import timestamp
 from .params import HexId
 from .schemas import FormatEntry, FormatList, FormatSpecBody
 
-router = APIRouter(prefix="/v1/formats", tags=["formats"])
+router = APIRouter(prefix="/v1/formats", tags=["formats"], route_class=FiniteJSONRoute)
 
 
 async def format_entry(redis: aioredis.Redis, fid: str) -> FormatEntry | None:

@@ -11,13 +11,14 @@ from starlette.responses import Response
 
 from .. import index as ix
 from ..common import METRICS_RESPONSES, error_responses, metrics_response
+from ..request_body import FiniteJSONRoute
 from .context import Context, Metrics
 from .schemas import Health, Stats, TierTotals
 
 log = logging.getLogger(__name__)
 
-probes = APIRouter(tags=["ops"])  # included without the bearer token
-router = APIRouter(prefix="/v1", tags=["ops"])
+probes = APIRouter(tags=["ops"], route_class=FiniteJSONRoute)  # included without the bearer token
+router = APIRouter(prefix="/v1", tags=["ops"], route_class=FiniteJSONRoute)
 
 
 @probes.get("/healthz", response_model=Health,

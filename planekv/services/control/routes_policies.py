@@ -17,6 +17,7 @@ from starlette.responses import Response
 from ...tiering.placement import PlacementPolicy
 from .. import index as ix
 from ..common import error_responses
+from ..request_body import FiniteJSONRoute
 from .context import Context
 from .encoding import canonical_json, timestamp
 from .params import PolicyName
@@ -33,7 +34,7 @@ from .schemas import (
     PolicyVersions,
 )
 
-router = APIRouter(prefix="/v1/policies", tags=["policies"])
+router = APIRouter(prefix="/v1/policies", tags=["policies"], route_class=FiniteJSONRoute)
 
 
 def _version_doc(policy: PlacementPolicy, comment: str) -> tuple[str, str]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
-from ...kvstore import FormatSpec
-from ...kvstore.format import LAYOUT_VERSION
+from ...kvstore import CODEBOOKS, FormatSpec
+from ...kvstore.format import LAYOUT_VERSION, V_RUNS
 from ...tiering.placement import PlacementPolicy
+from ..request_body import RequestBody
 
 ID16 = r"^[0-9a-f]{16}$"  # a format or calibration id: 16 hex digits
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # a placement policy's name
@@ -17,10 +18,9 @@ SEQ = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"  # a sequence id
 # ---- formats
 
 
-class FormatSpecBody(BaseModel):
+class FormatSpecBody(RequestBody):
     """A FormatSpec (planekv.kvstore.FormatSpec), validated by the same rules."""
 
-    model_config = ConfigDict(extra="forbid")
     model_id: str = Field(min_length=1, max_length=256)
     n_layers: int = Field(ge=1, le=65536)
     n_q_heads: int = Field(ge=1, le=65536)
@@ -32,11 +32,12 @@ class FormatSpecBody(BaseModel):
     rope_theta: int | float = Field(default=10000.0, gt=0, le=1e12, allow_inf_nan=False)
     seed_k: int = Field(default=FormatSpec.seed_k, ge=0, lt=1 << 63)
     seed_v: int = Field(default=FormatSpec.seed_v, ge=0, lt=1 << 63)
-    codebook: Literal["gaussian-lloyd-tree"] = "gaussian-lloyd-tree"
+    codebook: Literal[CODEBOOKS] = "gaussian-lloyd-tree"  # every codebook FormatSpec knows
     width: int = Field(default=8, ge=1, le=8)
     page_size: Literal[64, 128] = 64
     layout_version: int = Field(default=LAYOUT_VERSION, ge=1, le=LAYOUT_VERSION)
-    v_run: Literal[1, 2, 4, 8] = 1
+    # An int, not Literal[1, 2, 4, 8]: pydantic takes true for the literal 1 even in strict mode.
+    v_run: int = Field(default=1, json_schema_extra={"enum": list(V_RUNS)})
 
     @model_validator(mode="after")
     def _spec(self) -> FormatSpecBody:
@@ -89,28 +90,25 @@ Sample4 = Annotated[list[Annotated[list[Annotated[list[Annotated[list[Annotated[
                                    Field(min_length=1, max_length=1024)]], Field(min_length=1, max_length=1024)]
 
 
-class CalibrationStats(BaseModel):
+class CalibrationStats(RequestBody):
     """Per layer, KV head and channel: mean and scale of transformed K (after RoPE) and V."""
 
-    model_config = ConfigDict(extra="forbid")
     mu_k: Stat3
     sigma_k: Stat3
     mu_v: Stat3
     sigma_v: Stat3
 
 
-class CalibrationSamples(BaseModel):
+class CalibrationSamples(RequestBody):
     """K (after RoPE) and V samples, untransformed: [layers][kv_heads][tokens][head_dim]."""
 
-    model_config = ConfigDict(extra="forbid")
     k: Sample4
     v: Sample4
 
 
-class CalibrationCompute(BaseModel):
+class CalibrationCompute(RequestBody):
     """Compute a calibration from statistics or from samples (exactly one of the two)."""
 
-    model_config = ConfigDict(extra="forbid")
     seed_k: int = Field(default=FormatSpec.seed_k, ge=0, lt=1 << 63)
     seed_v: int = Field(default=FormatSpec.seed_v, ge=0, lt=1 << 63)
     meta: dict[str, Any] = Field(default_factory=dict)
@@ -127,22 +125,28 @@ class CalibrationCompute(BaseModel):
 # ---- placement policies
 
 
-class PolicyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _strict_policy(value: Any) -> Any:
+    """A policy document in a request, validated strictly (nested models included); PlacementPolicy
+    itself stays lax for its Python callers."""
+    return PlacementPolicy.model_validate(value, strict=True) if isinstance(value, dict) else value
+
+
+StrictPolicy = Annotated[PlacementPolicy, BeforeValidator(_strict_policy)]
+
+
+class PolicyCreate(RequestBody):
     name: str = Field(pattern=NAME)
-    policy: PlacementPolicy
+    policy: StrictPolicy
     comment: str = Field(default="", max_length=1000)
 
 
-class PolicyUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    policy: PlacementPolicy
+class PolicyUpdate(RequestBody):
+    policy: StrictPolicy
     comment: str = Field(default="", max_length=1000)
     activate: bool = False
 
 
-class PolicyActivate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PolicyActivate(RequestBody):
     version: int = Field(ge=1)
 
 
@@ -188,14 +192,12 @@ class PolicyHistory(BaseModel):
 # ---- caches
 
 
-class HotPlanesBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HotPlanesBody(RequestBody):
     k: int = Field(ge=0, le=8)
     v: int = Field(ge=0, le=8)
 
 
-class CacheRegister(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CacheRegister(RequestBody):
     format_id: str = Field(pattern=ID16)
     n_tokens: int | None = Field(default=None, ge=0, le=1 << 40)
     policy: str | None = Field(default=None, pattern=NAME, description="placement policy name")

@@ -18,6 +18,8 @@ from ...settings import Settings, load_settings
 from ...tiering import BlockStore, PosixFileTier
 from ..arguments import add_store_arguments, store_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, new_registry, run_uvicorn
+from ..docs_page import install_docs
+from ..exposure import check_exposure
 from . import routes
 from .context import StoreContext
 from .metrics import StoreCollector
@@ -82,8 +84,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 except Exception as exc:  # Redis gone at shutdown: the next start republishes anyway
                     log.warning("could not withdraw this store's block index entries: %s", exc)
 
-    app = FastAPI(title="PlaneKV store service", version="1", lifespan=lifespan,
+    app = FastAPI(title="PlaneKV store service", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Framed blocks of cold bit planes: a memory tier spilling to NVMe files.")
+    install_docs(app)
     app.state.registry = registry
     install_error_handlers(app)
     app.add_middleware(RequestMetrics, registry=registry, prefix="planekv_store")
@@ -98,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the store in the foreground until SIGINT/SIGTERM (then persist and withdraw its index)."""
     settings = store_settings(args)
     logging.getLogger().setLevel(settings.log_level)
+    check_exposure("store service", settings.store.host, settings)
     run_uvicorn(create_app(settings), settings.store.host, settings.store.port, settings.log_level, args.access_log)
     return 0
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from ...tiering import MEMORY, BlockCorrupt, BlockKey, Lease
 from ...tiering.frame import KEY_PATTERN
 from ..common import METRICS_RESPONSES, error_response, error_responses, metrics_response, read_body
+from ..request_body import FiniteJSONRoute
 from .context import Context, Registry, StoreContext
 from .frame_response import FrameResponse
 from .schemas import BatchGet, BlockList, BlockMeta, Health, PutAnswer, StoreStatsBody, TierUsage, block_meta
@@ -28,8 +29,8 @@ KeyParam = Annotated[str, PathParam(
     description="format_id:sequence_id:k|v:layer:kv_head:page_start-page_end:plane_start-plane_end",
     examples=["0123456789abcdef:seq-1:k:0:1:0-16:2-8"])]
 
-probes = APIRouter(tags=["ops"])  # included without the bearer token
-router = APIRouter(prefix="/v1", tags=["blocks"])
+probes = APIRouter(tags=["ops"], route_class=FiniteJSONRoute)  # included without the bearer token
+router = APIRouter(prefix="/v1", tags=["blocks"], route_class=FiniteJSONRoute)
 
 
 def parse_key(text: str) -> BlockKey:

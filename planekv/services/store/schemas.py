@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ...tiering import BlockInfo
+from ..request_body import RequestBody
 
 MAX_BATCH_KEYS = 256
 
@@ -27,7 +28,7 @@ class BlockList(BaseModel):
     truncated: bool
 
 
-class BatchGet(BaseModel):
+class BatchGet(RequestBody):
     keys: list[str] = Field(min_length=1, max_length=MAX_BATCH_KEYS)
 
 
