@@ -101,7 +101,7 @@ RAY_INTERNAL_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port"
                       "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")
 
 
-def _ray_internal_ports() -> list[str]:
+def ray_internal_port_args() -> list[str]:
     """Free ports for the Ray head's internal servers: Ray's fixed defaults (52365, 10001, ...) would collide with
     another Ray on the same machine (a second stack, a test cluster)."""
     return [f"--{name}={free_port()}" for name in RAY_INTERNAL_PORTS]
@@ -262,7 +262,7 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
                       f"--port={ports.ray_gcs}", "--dashboard-host=127.0.0.1",
                       f"--dashboard-port={ports.ray_dashboard}", "--include-dashboard=true",
                       f"--num-cpus={max(2, os.cpu_count() or 2)}", f"--num-gpus={n_gpus}",
-                      "--disable-usage-stats", f"--temp-dir={ray_temp_dir(data_dir)}", *_ray_internal_ports()],
+                      "--disable-usage-stats", f"--temp-dir={ray_temp_dir(data_dir)}", *ray_internal_port_args()],
               ports.ray_gcs, f"http://127.0.0.1:{ports.ray_dashboard}")
         _wait(state, ["redis"], t0 + timeout, say)
         start("control", _planekv("control", "--port", str(ports.control), "--redis-url", redis_url),

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("ray.job_submission")
 
 from planekv.evaluation import calibrate, ray_jobs  # noqa: E402
+from planekv.orchestration.stack import ray_internal_port_args  # noqa: E402  (free ports: no clash with another Ray)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -49,8 +50,8 @@ def ray_dashboard():
                              f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                              "--include-dashboard=true", "--num-cpus=2", "--num-gpus=0",
                              "--object-store-memory=100000000", "--disable-usage-stats",
-                             f"--temp-dir={tmp}"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             f"--temp-dir={tmp}", *ray_internal_port_args()],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
         import httpx
