@@ -145,18 +145,20 @@ class Setup:
     device: torch.device
 
 
-def setup(model: str | None, calibration: str | os.PathLike[str] | None, device: str = "auto",
+def setup(model: str | None, calibration: str | os.PathLike[str] | Calibration | None, device: str = "auto",
           calib_tokens: int = 16384, calib_window: int = 8192,
           cache_dir: str | os.PathLike[str] | None = None, codebook: str = "gaussian-lloyd-tree") -> Setup:
-    """Load the model; load ``calibration`` (a .pt artifact) or compute it on the calibration text
-    (saved under ``cache_dir`` when given); the format stores codes of ``codebook``
+    """Load the model; take ``calibration`` (an artifact, or a .pt path to load it from) or compute it on the
+    calibration text (saved under ``cache_dir`` when given); the format stores codes of ``codebook``
     (``planekv.kvstore.CODEBOOKS``)."""
     from ..models.hf import format_spec, load_model
     from .calibrate import calibrate_model
 
     dev = resolve_device(device)
     lm = load_model(model, device=dev)
-    if calibration:
+    if isinstance(calibration, Calibration):
+        calib = calibration
+    elif calibration:
         calib = Calibration.load(calibration)
     else:
         calib = calibrate_model(lm.model, lm.tokenizer, max_tokens=calib_tokens, window=calib_window,

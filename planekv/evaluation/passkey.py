@@ -6,7 +6,11 @@ them); each system then writes the prompt's K/V into its own cache and decodes g
 step reading the compressed cache (``planekv.models.hf.PlaneKVHFCache``). Trials are paired: the
 same keys, depths and filler for every system.
 
-Runs directly (and as a Ray job entrypoint):
+The work is one unit per (context, trial) (``trial_unit``; ``units``), run in this process or, with
+``planekv eval passkey ... --workers N``, by N Ray workers (``executors``); each finished trial is journaled in
+``--out`` and ``--resume`` runs only the missing ones.
+
+Runs directly (and as a Ray job entrypoint), in one process:
 ``python -m planekv.evaluation.passkey --out DIR [--contexts 2048 4096 8192 --trials 50 ...]``.
 """
 
@@ -15,11 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import random
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +39,11 @@ from .common import (
     label,
     system_rows,
 )
-from .jobs import job_main, progress, write_json
+from .executors import InProcess, add_executor_arguments, check_executor_arguments, open_executor
+from .jobs import job_main, write_json
 from .perplexity import add_setup_arguments, parse_k_share
 from .texts import FILLER_TEXT, tokenize_text
+from .units import Executor, Unit, add_resume_argument, job_journal, run_units
 
 if TYPE_CHECKING:
     from ..models.hf import PlaneKVHFCache
@@ -137,105 +144,111 @@ def greedy_decode(model: Any, cache: PlaneKVHFCache, first: int, tok: Any, max_n
     return tok.decode(gen, skip_special_tokens=True)
 
 
-def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int = 0,
-                reader: str = "reference", template: str = "chat",
-                on_context: Callable[[dict[str, Any]], None] | None = None,
-                resume: dict[str, Any] | None = None, promotion_mib: float = 64.0) -> dict[str, Any]:
-    """Passkey hits for each context length and its rows (``plan``: context -> rows, run in that
-    order). ``on_context`` receives the results so far after each context (partial JSON).
-    ``resume``: an earlier (partial) result of the same settings; its contexts whose every row
-    finished all trials are kept, not rerun (the others run from their first trial). Rows with a hot
-    depth read a tiered cache (docs/TIERING.md) with a promotion cache of ``promotion_mib``; their caps
-    are counted (``cap_bits`` of ``wanted_bits``)."""
+def trial_units(plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int, filler_tokens: int,
+                reader: str = "reference", template: str = "chat", promotion_mib: float = 64.0) -> list[Unit]:
+    """One unit per (context, trial index), contexts in ``plan``'s order; each unit runs the context's rows."""
+    return [Unit(f"{ctx}|{i}", {"trial": trial.to_dict(), "rows": [r.to_dict() for r in rows], "reader": reader,
+                                "template": template, "promotion_mib": promotion_mib})
+            for ctx, rows in plan.items() for i, trial in enumerate(make_trials(ctx, trials[ctx], seed, filler_tokens))]
+
+
+def trial_unit(s: Setup, spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One trial (``spec`` of trial_units) for every row of its context: one dense prefill, then each row writes the
+    prompt's K/V into its own cache and decodes greedily. Row key -> {hit, answer, text, k_bits, v_bits,
+    dense_bits, cap_bits, wanted_bits (tiered rows; else None), seconds}. Rows with a hot depth read a tiered cache
+    (docs/TIERING.md) with a promotion cache of ``promotion_mib``."""
     from ..models.hf import Tiering, make_cache
 
     model, tok = s.lm.model, s.lm.tokenizer
+    trial = Trial(**spec["trial"])
+    ids = build_prompt(tok, tokenize_text(tok, FILLER_TEXT), trial, spec["template"])
+    first, keys, values = dense_prefill(model, ids)
+    out = {}
+    for row in (SystemRow(**r) for r in spec["rows"]):
+        t0 = time.perf_counter()
+        tiering = None if row.hot is None else Tiering(row.hot, ids.numel() + MAX_NEW_TOKENS + 1,
+                                                         int(spec["promotion_mib"] * (1 << 20)))
+        cache = make_cache(model, build_system(row, s.codec), reader=spec["reader"], tiering=tiering)
+        cache.prefill_from(keys, values)
+        text = greedy_decode(model, cache, first, tok)
+        ans = parse_answer(text)
+        tier = None if tiering is None else cache.tier_tally
+        out[row.key] = {"hit": ans == trial.key, "answer": ans, "text": text, "k_bits": float(cache.tally.k_bits),
+                        "v_bits": float(cache.tally.v_bits), "dense_bits": float(cache.tally.dense_bits),
+                        "cap_bits": None if tier is None else float(tier.capped_bits),
+                        "wanted_bits": None if tier is None else float(tier.wanted_bits),
+                        "seconds": time.perf_counter() - t0}
+    return out
+
+
+def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int = 0,
+                reader: str = "reference", template: str = "chat",
+                on_partial: Callable[[dict[str, Any]], None] | None = None, promotion_mib: float = 64.0,
+                executor: Executor | None = None, out: str | os.PathLike[str] | None = None,
+                resume: bool = False) -> dict[str, Any]:
+    """Passkey hits for each context length and its rows (``plan``: context -> rows, in that order), the trials
+    run by ``executor`` (default: this process). ``on_partial`` receives the results of the trials finished so
+    far (partial JSON) now and then. With ``out`` each finished trial is journaled there
+    (``passkey.units.jsonl``) and ``resume`` keeps those an earlier run of the same settings finished (another
+    number of trials keeps the same trials: trial i does not depend on how many there are)."""
+    filler_tokens = tokenize_text(s.lm.tokenizer, FILLER_TEXT).numel()
+    units = trial_units(plan, trials, seed, filler_tokens, reader, template, promotion_mib)
+    tiered = any(r.hot is not None for rows in plan.values() for r in rows)
+    journal = None if out is None else job_journal(
+        out, "passkey", s, plan={str(c): [r.key for r in rows] for c, rows in plan.items()}, seed=seed,
+        reader=reader, template=template, **({"promotion_mib": promotion_mib} if tiered else {}))
+
+    def summary(results: Mapping[str, Any]) -> dict[str, Any]:
+        return _summary(s, plan, units, results, seed, trials, reader, template, promotion_mib)
+
+    results = run_units(units, trial_unit, executor or InProcess(s), journal, resume, desc="passkey",
+                        on_partial=None if on_partial is None else lambda done: on_partial(summary(done)))
+    return summary(results)
+
+
+def _summary(s: Setup, plan: dict[int, list[SystemRow]], units: Sequence[Unit], results: Mapping[str, Any],
+             seed: int, trials: dict[int, int], reader: str, template: str, promotion_mib: float) -> dict[str, Any]:
+    """The passkey result of the finished units among ``units`` (summed in unit order)."""
     d = s.codec.spec.head_dim
-    filler = tokenize_text(tok, FILLER_TEXT)
     out_rows: dict[str, dict[str, Any]] = {}
     details: list[dict[str, Any]] = []
-    done = _finished_contexts(resume, plan, trials, seed, reader, template, promotion_mib) if resume else set()
-    for ctx in done:
-        keys = {f"{r.key}@{ctx}" for r in plan[ctx]}
-        for prev in resume["rows"]:  # type: ignore[index]
-            if f"{prev['key']}@{prev['context']}" in keys:
-                out_rows[f"{prev['key']}@{ctx}"] = {k: v for k, v in prev.items() if k not in _DERIVED}
-        details += [x for x in resume["details"] if x["context"] == ctx]  # type: ignore[index]
-        log.info("passkey %d: %d rows kept from the earlier run", ctx, len(keys))
-    for ctx, rows in plan.items():
-        if ctx in done:
+    for unit in units:
+        if unit.key not in results:
             continue
-        systems = [(r, build_system(r, s.codec)) for r in rows]
-        for i, trial in enumerate(progress(make_trials(ctx, trials[ctx], seed, filler.numel()), total=trials[ctx],
-                                           desc=f"passkey {ctx}")):
-            if on_context is not None and i and i % 5 == 0:  # partial results of a long context
-                on_context(_summary(out_rows, details, seed, trials, reader, template, promotion_mib))
-            ids = build_prompt(tok, filler, trial, template)
-            first, keys, values = dense_prefill(model, ids)
-            for row, system in systems:
-                t0 = time.perf_counter()
-                tiering = None if row.hot is None else Tiering(row.hot, ids.numel() + MAX_NEW_TOKENS + 1,
-                                                                 int(promotion_mib * (1 << 20)))
-                cache = make_cache(model, system, reader=reader, tiering=tiering)
-                cache.prefill_from(keys, values)
-                text = greedy_decode(model, cache, first, tok)
-                ans = parse_answer(text)
-                hit = ans == trial.key
-                key = f"{row.key}@{ctx}"
-                res = out_rows.setdefault(key, {
-                    **row.to_dict(), "key": row.key, "context": ctx, "label": label(row, system),
-                    "capacity_bits": system.capacity_bits(ctx, d), "hits": 0, "trials": 0,
-                    "k_bits": 0.0, "v_bits": 0.0, "dense_bits": 0.0, "seconds": 0.0})
-                res["hits"] += int(hit)
-                res["trials"] += 1
-                res["k_bits"] += cache.tally.k_bits
-                res["v_bits"] += cache.tally.v_bits
-                res["dense_bits"] += cache.tally.dense_bits
-                if tiering is not None:
-                    res["cap_bits"] = res.get("cap_bits", 0.0) + cache.tier_tally.capped_bits
-                    res["wanted_bits"] = res.get("wanted_bits", 0.0) + cache.tier_tally.wanted_bits
-                res["seconds"] += time.perf_counter() - t0
-                details.append({**trial.to_dict(), "system": row.key, "answer": ans, "hit": hit, "text": text})
-            del keys, values
-        if on_context is not None:
-            on_context(_summary(out_rows, details, seed, trials, reader, template, promotion_mib))
-    return _summary(out_rows, details, seed, trials, reader, template, promotion_mib)
-
-
-_DERIVED = ("hit_rate", "read_fraction", "capacity_fraction", "vs_dense", "cap_rate")  # recomputed by _summary
-
-
-def _finished_contexts(prev: dict[str, Any], plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int,
-                       reader: str, template: str, promotion_mib: float) -> set[int]:
-    """Contexts of ``plan`` that ``prev`` holds complete; refuses a result of other settings."""
-    tiered = any(r.hot is not None for rows in plan.values() for r in rows)
-    for name, want in (("seed", seed), ("reader", reader), ("template", template),
-                       *((("promotion_mib", promotion_mib),) if tiered else ())):
-        if prev.get(name) != want:
-            raise ValueError(f"cannot resume passkey: the earlier run has {name}={prev.get(name)!r}, not {want!r}")
-    have = {(r["key"], r["context"]): r["trials"] for r in prev.get("rows", [])}
-    return {ctx for ctx, rows in plan.items()
-            if all(have.get((r.key, ctx)) == trials[ctx] for r in rows)}
-
-
-def _summary(out_rows: dict[str, dict[str, Any]], details: list[dict[str, Any]], seed: int, trials: dict[int, int],
-             reader: str, template: str, promotion_mib: float) -> dict[str, Any]:
-    rows_out = []
-    for res in out_rows.values():
-        res = dict(res)
+        trial = Trial(**unit.spec["trial"])
+        for row in plan[trial.context]:
+            r = results[unit.key][row.key]
+            res = out_rows.get(f"{row.key}@{trial.context}")
+            if res is None:
+                system = build_system(row, s.codec)
+                res = out_rows[f"{row.key}@{trial.context}"] = {
+                    **row.to_dict(), "key": row.key, "context": trial.context, "label": label(row, system),
+                    "capacity_bits": system.capacity_bits(trial.context, d), "hits": 0, "trials": 0,
+                    "k_bits": 0.0, "v_bits": 0.0, "dense_bits": 0.0, "seconds": 0.0}
+            res["hits"] += int(r["hit"])
+            res["trials"] += 1
+            for k in ("k_bits", "v_bits", "dense_bits"):
+                res[k] += r[k]
+            if r["cap_bits"] is not None:
+                res["cap_bits"] = res.get("cap_bits", 0.0) + r["cap_bits"]
+                res["wanted_bits"] = res.get("wanted_bits", 0.0) + r["wanted_bits"]
+            res["seconds"] += r["seconds"]
+            details.append({**trial.to_dict(), "system": row.key, "answer": r["answer"], "hit": r["hit"],
+                            "text": r["text"]})
+    rows_out = list(out_rows.values())
+    for res in rows_out:
         res["hit_rate"] = res["hits"] / res["trials"]
         res["read_fraction"] = (res["k_bits"] + res["v_bits"]) / res["dense_bits"] if res["dense_bits"] else None
         res["capacity_fraction"] = res["capacity_bits"] / 16.0
         if res.get("wanted_bits"):
             res["cap_rate"] = res["cap_bits"] / res["wanted_bits"]
-        rows_out.append(res)
     for res in rows_out:
         dense = next((r for r in rows_out if r["name"] == "dense" and r["context"] == res["context"]), None)
         res["vs_dense"] = None if not dense or not dense["hits"] else res["hits"] / dense["hits"]
     return {"job": "passkey", "seed": seed, "trials": {str(c): n for c, n in trials.items()},
             "reader": reader, "template": template, "promotion_mib": promotion_mib, "question": QUESTION,
             "answer_start": ANSWER_START,
-            "rows": rows_out, "details": list(details)}
+            "rows": rows_out, "details": details}
 
 
 def parse_plan(contexts: Sequence[int], systems: Sequence[str], rates: Sequence[float],
@@ -272,22 +285,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
                    help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md)")
     p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
+    add_resume_argument(p)
+    add_executor_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from .common import setup
     from .report import write_report
 
+    check_executor_arguments(args)
     trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)
     plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates,
                       parse_k_share(args.k_share), args.tiered_hot)
     t0 = time.perf_counter()
-    res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
-                      args.template, on_context=lambda r: write_json(f"{args.out}/passkey.json", r),
-                      promotion_mib=args.promotion_mib)
+    with open_executor(args, s) as executor:
+        res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
+                          args.template, on_partial=lambda r: write_json(f"{args.out}/passkey.json", r),
+                          promotion_mib=args.promotion_mib, executor=executor, out=args.out, resume=args.resume)
     res["seconds"] = time.perf_counter() - t0
+    res["workers"] = args.workers
     res["calibration_id"] = s.calibration.calibration_id
     res["codebook"] = s.codec.spec.codebook
     write_json(f"{args.out}/passkey.json", res)

@@ -4,7 +4,11 @@ Every position i of every layer reads the compressed cache of tokens [0, i] with
 exactly as decode step i would (``planekv.models.hf.teacher_forced``); errors of one layer's reads
 propagate into the next layer's queries, keys and values, as in real decoding.
 
-Runs directly (and as a Ray job entrypoint):
+The work is one unit per (row, text, window) (``window_unit``; ``units``), run in this process or, with
+``planekv eval perplexity ... --workers N``, by N Ray workers (``executors``); each finished unit is journaled in
+``--out`` and ``--resume`` runs only the missing ones.
+
+Runs directly (and as a Ray job entrypoint), in one process:
 ``python -m planekv.evaluation.perplexity --out DIR [--window 2048 --windows 2 --systems ...]``.
 """
 
@@ -13,8 +17,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,10 +35,14 @@ from .common import (
     label,
     system_rows,
 )
-from .jobs import job_main, progress, write_json
+from .executors import InProcess, add_executor_arguments, check_executor_arguments, open_executor
+from .jobs import job_main, write_json
 from .texts import TEST_TEXTS, tokenize_text, windows
+from .units import Executor, Unit, add_resume_argument, job_journal, run_units
 
 log = logging.getLogger(__name__)
+
+MODEL_ROW = "model"  # the row part of the unit keys of the model's own loss (no PlaneKV)
 
 
 def window_nll(model: Any, ids: torch.Tensor) -> tuple[float, int]:
@@ -51,55 +60,93 @@ def model_nll(model: Any, ids: torch.Tensor) -> tuple[float, int]:
     return window_nll(model, ids)
 
 
-def evaluate_rows(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str], window: int, n_windows: int,
-                  row_chunk: int = 512, desc: str = "perplexity") -> list[dict[str, Any]]:
-    """Perplexity of every row over ``n_windows`` windows of ``window`` tokens of each text."""
+def _unit_key(row_key: str, text: str, index: int) -> str:
+    return f"{row_key}|{text}|{index}"
+
+
+def window_units(rows: Sequence[SystemRow | None], texts: Sequence[str], window: int, n_windows: int,
+                 row_chunk: int = 512) -> list[Unit]:
+    """One unit per (row, text, window index), in that order; a None row is the model's own loss."""
+    return [Unit(_unit_key(MODEL_ROW if row is None else row.key, text, i),
+                 {"row": None if row is None else row.to_dict(), "text": text, "window": window,
+                  "n_windows": n_windows, "index": i, "row_chunk": row_chunk})
+            for row in rows for text in texts for i in range(n_windows)]
+
+
+def window_unit(s: Setup, spec: dict[str, Any]) -> dict[str, Any]:
+    """One window (``spec`` of window_units) read teacher-forced by its row, or by the model itself:
+    {nll (nats), tokens (predicted), k_bits, v_bits, dense_bits (logical read), seconds}."""
     from ..models.hf import teacher_forced
 
-    model, tok = s.lm.model, s.lm.tokenizer
+    ids = windows(tokenize_text(s.lm.tokenizer, spec["text"]), spec["window"], spec["n_windows"])[spec["index"]]
+    t0 = time.perf_counter()
+    if spec["row"] is None:
+        nll, n = model_nll(s.lm.model, ids)
+        k_bits = v_bits = dense_bits = 0.0
+    else:
+        with teacher_forced(build_system(SystemRow(**spec["row"]), s.codec), spec["row_chunk"]) as tally:
+            nll, n = window_nll(s.lm.model, ids)
+        k_bits, v_bits, dense_bits = float(tally.k_bits), float(tally.v_bits), float(tally.dense_bits)
+    return {"nll": nll, "tokens": n, "k_bits": k_bits, "v_bits": v_bits, "dense_bits": dense_bits,
+            "seconds": time.perf_counter() - t0}
+
+
+def row_table(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str], window: int, n_windows: int,
+              results: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's perplexity per text and overall, logical read and capacity, from its window units' results
+    (summed in unit order)."""
     d = s.codec.spec.head_dim
-    wins = {t: windows(tokenize_text(tok, t), window, n_windows) for t in texts}
-    results = []
-    jobs = [(r, t) for r in rows for t in texts]
-    by_row: dict[str, dict[str, Any]] = {}
-    for row, text in progress(jobs, total=len(jobs), desc=desc):
+    table = []
+    for row in rows:
         system = build_system(row, s.codec)
-        res = by_row.setdefault(row.key, {
+        res: dict[str, Any] = {
             **row.to_dict(), "key": row.key, "label": label(row, system), "describe": system.describe(),
             "capacity_bits": system.capacity_bits(window, d), "texts": {}, "k_bits": 0.0, "v_bits": 0.0,
-            "dense_bits": 0.0, "seconds": 0.0})
-        nll = n = 0.0
-        t0 = time.perf_counter()
-        for w in wins[text]:
-            with teacher_forced(system, row_chunk) as tally:
-                a, b = window_nll(model, w)
-            nll, n = nll + a, n + b
-            res["k_bits"] += tally.k_bits
-            res["v_bits"] += tally.v_bits
-            res["dense_bits"] += tally.dense_bits
-        res["seconds"] += time.perf_counter() - t0
-        res["texts"][text] = {"nll": nll, "tokens": n, "ppl": math.exp(nll / n)}
-        log.info("%s on %s: ppl %.4f (%.1f s)", res["label"], text, math.exp(nll / n), time.perf_counter() - t0)
-    for res in by_row.values():
+            "dense_bits": 0.0, "seconds": 0.0}
+        for text in texts:
+            nll = n = 0.0
+            for i in range(n_windows):
+                w = results[_unit_key(row.key, text, i)]
+                nll, n = nll + w["nll"], n + w["tokens"]
+                for k in ("k_bits", "v_bits", "dense_bits", "seconds"):
+                    res[k] += w[k]
+            res["texts"][text] = {"nll": nll, "tokens": n, "ppl": math.exp(nll / n)}
         nll = sum(v["nll"] for v in res["texts"].values())
         n = sum(v["tokens"] for v in res["texts"].values())
         res["ppl"] = math.exp(nll / n)
         res["read_fraction"] = (res["k_bits"] + res["v_bits"]) / res["dense_bits"]
         res["capacity_fraction"] = res["capacity_bits"] / 16.0
-        results.append(res)
-    return results
+        log.info("%s: perplexity %.4f", res["label"], res["ppl"])
+        table.append(res)
+    return table
+
+
+def evaluate_rows(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str], window: int, n_windows: int,
+                  row_chunk: int = 512, desc: str = "perplexity", executor: Executor | None = None
+                  ) -> list[dict[str, Any]]:
+    """Perplexity of every row over ``n_windows`` windows of ``window`` tokens of each text (row_table), the
+    windows run by ``executor`` (default: this process)."""
+    units = window_units(rows, texts, window, n_windows, row_chunk)
+    results = run_units(units, window_unit, executor or InProcess(s), desc=desc)
+    return row_table(s, rows, texts, window, n_windows, results)
 
 
 def run_perplexity(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str] = TEST_TEXTS, window: int = 2048,
-                   n_windows: int = 2, row_chunk: int = 512) -> dict[str, Any]:
-    """The perplexity table: every row, the model's own loss, % change against the dense row."""
-    model, tok = s.lm.model, s.lm.tokenizer
+                   n_windows: int = 2, row_chunk: int = 512, executor: Executor | None = None,
+                   out: str | os.PathLike[str] | None = None, resume: bool = False) -> dict[str, Any]:
+    """The perplexity table: every row, the model's own loss, % change against the dense row. The windows run
+    by ``executor`` (default: this process); with ``out`` each finished one is journaled there
+    (``perplexity.units.jsonl``) and ``resume`` keeps those an earlier run of the same settings finished."""
+    units = window_units([None, *rows], texts, window, n_windows, row_chunk)
+    journal = None if out is None else job_journal(
+        out, "perplexity", s, rows=[r.key for r in rows], texts=list(texts), window=window, n_windows=n_windows,
+        row_chunk=row_chunk)
+    results = run_units(units, window_unit, executor or InProcess(s), journal, resume, desc="perplexity")
     own_nll = own_n = 0.0
-    for t in texts:
-        for w in windows(tokenize_text(tok, t), window, n_windows):
-            a, b = model_nll(model, w)
-            own_nll, own_n = own_nll + a, own_n + b
-    res = evaluate_rows(s, rows, texts, window, n_windows, row_chunk)
+    for u in units:
+        if u.spec["row"] is None:
+            own_nll, own_n = own_nll + results[u.key]["nll"], own_n + results[u.key]["tokens"]
+    res = row_table(s, rows, texts, window, n_windows, results)
     dense = next((r for r in res if r["name"] == "dense"), None)
     for r in res:
         r["ppl_change_pct"] = None if dense is None else 100.0 * (r["ppl"] / dense["ppl"] - 1.0)
@@ -115,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2048, help="tokens per window")
     p.add_argument("--windows", type=int, default=2, help="windows per text")
     p.add_argument("--row-chunk", type=int, default=512, help="query rows per reference-reader call")
+    add_resume_argument(p)
+    add_executor_arguments(p)
 
 
 def add_setup_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,12 +193,16 @@ def run(args: argparse.Namespace) -> int:
     from .common import setup
     from .report import write_report
 
+    check_executor_arguments(args)
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)
     rows = system_rows(args.systems, args.rates, parse_k_share(args.k_share))
     t0 = time.perf_counter()
-    res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk)
+    with open_executor(args, s) as executor:
+        res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk, executor, args.out,
+                             args.resume)
     res["seconds"] = time.perf_counter() - t0
+    res["workers"] = args.workers
     res["calibration_id"] = s.calibration.calibration_id
     res["format_id"] = s.codec.format_id
     res["codebook"] = s.codec.spec.codebook

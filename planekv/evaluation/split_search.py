@@ -21,6 +21,7 @@ from .common import FLEXIBLE, RATES, Setup, SystemRow, k_share_path
 from .jobs import job_main, write_json
 from .perplexity import add_setup_arguments, evaluate_rows
 from .texts import DEV_TEXT
+from .units import Executor
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,11 @@ GRID = (0.5, 0.625, 0.75, 0.875)
 
 def run_split_search(s: Setup, rates: Sequence[float] = RATES, grid: Sequence[float] = GRID, window: int = 2048,
                      n_windows: int = 2, text: str = DEV_TEXT, row_chunk: int = 512,
-                     system: str = "readkv-flexible") -> dict[str, Any]:
-    """Dev perplexity for every (rate, K share); the chosen share per rate."""
+                     system: str = "readkv-flexible", executor: Executor | None = None) -> dict[str, Any]:
+    """Dev perplexity for every (rate, K share), the windows run by ``executor`` (default: this process); the
+    chosen share per rate."""
     rows = [SystemRow(system, r, phi) for r in rates for phi in grid]
-    res = evaluate_rows(s, rows, [text], window, n_windows, row_chunk, desc="split search")
+    res = evaluate_rows(s, rows, [text], window, n_windows, row_chunk, desc="split search", executor=executor)
     chosen = {}
     for r in rates:
         cand = [x for x in res if x["rate"] == r]

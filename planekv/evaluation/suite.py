@@ -2,7 +2,9 @@
 passkey for every system and budget, then the report (JSON, Markdown, PNG) in ``--out``.
 
 ``planekv eval all --out DIR`` (or ``python -m planekv.evaluation.suite --out DIR``) with the
-defaults reproduces EVALUATION.md; ``--quick`` runs a reduced version in minutes.
+defaults reproduces EVALUATION.md; ``--quick`` runs a reduced version in minutes. ``planekv eval all --workers N``
+runs the units of the split search, perplexity and passkey on N Ray workers (``executors``); ``--resume`` keeps
+finished jobs and the journaled units of unfinished ones.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, VARIANTS, setup, system_rows
+from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, setup, system_rows
+from .executors import EXECUTOR_ARGUMENTS, add_executor_arguments, check_executor_arguments, open_executor
 from .jobs import hardware, job_main, write_json
 from .passkey import parse_plan, run_passkey
 from .perplexity import add_setup_arguments, parse_k_share, run_perplexity
 from .report import write_report
 from .split_search import GRID, freeze, run_split_search
 from .texts import TEST_TEXTS
+from .units import Executor
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["perplexity", "passkey"], help="jobs to leave out")
     p.add_argument("--resume", action="store_true",
                    help="keep what an earlier run of the same settings left in --out (split search, perplexity, "
-                        "finished passkey contexts) and run the rest")
+                        "the finished units of perplexity and passkey) and run the rest")
+    add_executor_arguments(p)
     p.add_argument("--quick", action="store_true",
                    help="reduced run: 512-token windows, 2K passkey only with 4 trials, few systems")
 
@@ -72,12 +77,13 @@ def apply_quick(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         apply_quick(args)
+    check_executor_arguments(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, out,
               codebook=args.codebook)
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "resume")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "resume", *EXECUTOR_ARGUMENTS)}
     meta = {"model_id": s.lm.model_id, "model_revision": s.lm.revision,
             "calibration_id": s.calibration.calibration_id, "format_id": s.codec.format_id,
             "hardware": hardware(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -88,13 +94,26 @@ def run(args: argparse.Namespace) -> int:
         meta = {**prev, "seconds": prev.get("seconds", {}),
                 "continued": [*prev.get("continued", []), {"date": meta["date"], "hardware": meta["hardware"]}]}
     write_json(out / "run.json", meta)
+    with open_executor(args, s) as executor:
+        _run_jobs(args, s, out, meta, prev, executor)
+    meta["seconds"]["total"] = time.perf_counter() - t_all + meta["seconds"].get("total", 0.0)
+    write_json(out / "run.json", meta)
+    md = write_report(out)
+    log.info("evaluation done in %.0f s; report at %s", meta["seconds"]["total"], md)
+    return 0
+
+
+def _run_jobs(args: argparse.Namespace, s: Setup, out: Path, meta: dict, prev: dict | None,
+              executor: Executor) -> None:
+    """The split search, perplexity and passkey (each unless kept from ``prev`` or skipped), on ``executor``."""
     k_share = parse_k_share(args.k_share)
     if prev is not None and args.split_search and not k_share and (out / "split_search.json").is_file():
         k_share = {float(r): v for r, v in _load(out / "split_search.json")["k_share"].items()}
         log.info("split search kept from the earlier run: %s", k_share)
     elif args.split_search and not k_share:
         t0 = time.perf_counter()
-        sp = run_split_search(s, args.rates, args.grid, args.window, args.split_windows, row_chunk=args.row_chunk)
+        sp = run_split_search(s, args.rates, args.grid, args.window, args.split_windows, row_chunk=args.row_chunk,
+                              executor=executor)
         sp["seconds"] = meta["seconds"]["split_search"] = time.perf_counter() - t0
         write_json(out / "run.json", meta)  # each job's time is on disk as soon as it is done
         write_json(out / "split_search.json", sp)
@@ -106,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("perplexity kept from the earlier run")
     elif "perplexity" not in args.skip:
         t0 = time.perf_counter()
-        res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk)
+        res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk, executor, out,
+                             resume=prev is not None)
         res["seconds"] = meta["seconds"]["perplexity"] = time.perf_counter() - t0
         write_json(out / "run.json", meta)
         write_json(out / "perplexity.json", res)
@@ -115,17 +135,11 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
         plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates, k_share)
-        earlier = _load(out / "passkey.json") if prev is not None and (out / "passkey.json").is_file() else None
         res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
-                          args.template, on_context=lambda r: (write_json(out / "passkey.json", r), write_report(out)),
-                          resume=earlier)
+                          args.template, on_partial=lambda r: (write_json(out / "passkey.json", r), write_report(out)),
+                          executor=executor, out=out, resume=prev is not None)
         res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0 + meta["seconds"].get("passkey", 0.0)
         write_json(out / "passkey.json", res)
-    meta["seconds"]["total"] = time.perf_counter() - t_all + meta["seconds"].get("total", 0.0)
-    write_json(out / "run.json", meta)
-    md = write_report(out)
-    log.info("evaluation done in %.0f s; report at %s", meta["seconds"]["total"], md)
-    return 0
 
 
 def _own_args(argv: Sequence[str]) -> list[str]:

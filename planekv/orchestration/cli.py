@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from . import eval_workers  # noqa: F401 - registers the executor of `planekv eval ... --workers N`
+
 
 def _data_dir(args: argparse.Namespace) -> Path:
     from ..settings import load_settings

@@ -64,32 +64,40 @@ def _use_stack_ray_settings(token_path: Path) -> None:
     """Make this process's Ray join the stack's head as its own processes do: token authentication with the
     stack's token, and 127.0.0.1 kept as it is (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; otherwise Ray rewrites a
     loopback address into the host's routable one, where the stack does not listen). Ray reads these when it is
-    imported, so an already imported Ray is refreshed too (private switches: the only ones Ray has)."""
+    imported, so an already imported Ray is refreshed too, the token it may have read for another cluster (a local
+    one that `ray.init()` started) forgotten (private switches: the only ones Ray has)."""
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path),
                       RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     import ray._private.ray_constants as ray_constants
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
 
     ray_constants.ENABLE_RAY_CLUSTER = False
     _enable_token_auth()
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def join_stack(data_dir: str | os.PathLike[str] | None = None) -> tuple[str, list[str]]:
+    """(the Ray address, the PlaneWorker actors' names) of the stack recorded under ``data_dir`` (default: settings'
+    data_dir), with this process's Ray set up to join it (``_use_stack_ray_settings``)."""
+    from ..settings import load_settings
+
+    dd = Path(data_dir).expanduser() if data_dir else load_settings().data_dir
+    state = running(dd)
+    if state is None:
+        raise StackError(f"no PlaneKV stack is running from {stack_dir(dd)}: `planekv up` starts one")
+    address = f"127.0.0.1:{state.ports['ray_gcs']}"
+    _use_stack_ray_settings(stack_dir(dd) / "ray-token")
+    if not port_busy(state.ports["ray_gcs"]):
+        raise StackError(f"the stack's Ray head does not answer on {address} (`planekv status` shows its state)")
+    return address, [c.name for c in state.components if c.name.startswith("worker-")]
 
 
 def connect(data_dir: str | os.PathLike[str] | None = None, address: str | None = None) -> Cluster:
     """Join the stack recorded under ``data_dir`` (default: settings' data_dir), or the cluster at ``address``."""
-    from ..settings import load_settings
-
     names: list[str] = []
     if address is None:
-        dd = Path(data_dir).expanduser() if data_dir else load_settings().data_dir
-        state = running(dd)
-        if state is None:
-            raise StackError(f"no PlaneKV stack is running from {stack_dir(dd)}: `planekv up` starts one")
-        address = f"127.0.0.1:{state.ports['ray_gcs']}"
-        token = stack_dir(dd) / "ray-token"
-        names = [c.name for c in state.components if c.name.startswith("worker-")]
-        _use_stack_ray_settings(token)
-        if not port_busy(state.ports["ray_gcs"]):
-            raise StackError(f"the stack's Ray head does not answer on {address} (`planekv status` shows its state)")
+        address, names = join_stack(data_dir)
     import ray
 
     if not ray.is_initialized():

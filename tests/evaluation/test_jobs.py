@@ -142,18 +142,17 @@ def test_suite_end_to_end(tiny_model_dir, tmp_path):
 
 def test_suite_resume_keeps_finished_work(tiny_model_dir, tmp_path, monkeypatch):
     """An interrupted suite continues with --resume: the split search and perplexity results of the
-    earlier run are kept (not recomputed), finished passkey contexts too, and only the missing
-    context runs; a different command refuses to resume into the same directory."""
+    earlier run are kept (not recomputed), journaled passkey trials too, and only the missing
+    ones run; a different command refuses to resume into the same directory."""
     args = ["--model", str(tiny_model_dir), "--out", str(tmp_path), *TINY, "--window", "64", "--windows", "1",
             "--split-windows", "1", "--grid", "0.5", "0.625", "--contexts", "300", "200", "--trials", "1",
             "--systems", "dense", "readkv-flexible", "--rates", "2", "--long-systems"]
     assert suite.main(args) == 0
     ppl = (tmp_path / "perplexity.json").read_text()
     full = json.loads((tmp_path / "passkey.json").read_text())
-    # as if the run had stopped during the second context: its rows and trials are not in the file
-    cut = {**full, "rows": [r for r in full["rows"] if r["context"] == 300],
-           "details": [x for x in full["details"] if x["context"] == 300]}
-    (tmp_path / "passkey.json").write_text(json.dumps(cut))
+    # as if the run had stopped during the second context: its trial is not in the journal
+    journal = tmp_path / "passkey.units.jsonl"
+    journal.write_text("".join(x for x in journal.read_text().splitlines(keepends=True) if '"200|' not in x))
 
     def fail(*a, **k):
         raise AssertionError("finished work was recomputed")
