@@ -156,8 +156,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.text(i, dev[i] + host[i], "key found" if ok else "missed", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("MiB")
-    ax.set_title(f"PlaneKV tiers, passkey at {result['context']} tokens ({result['model']}, {result['device']})")
-    ax.legend()
+    ax.set_ylim(0, 1.3 * max(d + h for d, h in zip(dev, host, strict=True)))  # room for the legend
+    ax.set_title(f"PlaneKV tiers: passkey at {result['context']} tokens\n{result['model']}, {result['device']}")
+    ax.legend(loc="upper left", ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
