@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/planekv demo --stack
 
-# the suite without the slow end-to-end tests (under 10 minutes on 2 cores)
+# the suite without the slow end-to-end tests (12 minutes on 2 cores; the aim is under 10)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
