@@ -48,3 +48,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama and its tokenizer, saved as a local HF directory (build_tiny_model_dir)."""
     pytest.importorskip("transformers")
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def calib_path(tiny_model_dir, tmp_path_factory) -> Path:
+    """A calibration artifact of the tiny model (512 tokens), made once per session."""
+    from planekv.evaluation import calibrate
+
+    out = tmp_path_factory.mktemp("calib")
+    assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
+                           "--out", str(out), "--no-register", "--device", "cpu"]) == 0
+    (path,) = out.glob("calibration-*.pt")
+    return path

@@ -272,14 +272,7 @@ class PlaneKVCache:
                 self.append(layer, k_codes[b], v_codes[b], seq=b)
             return
         spec = self.spec
-        exp = (spec.n_kv_heads, spec.head_dim)
-        if k_codes.shape != v_codes.shape or k_codes.dim() != 3 or (k_codes.shape[0], k_codes.shape[2]) != exp:
-            raise ValueError(f"expected K and V codes [{exp[0]}, n, {exp[1]}], got "
-                             f"{tuple(k_codes.shape)} and {tuple(v_codes.shape)}")
-        if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
-            raise TypeError("codes must be uint8 (encode with Codec.encode_k / encode_v first)")
-        if (k_codes >> spec.width).any() or (v_codes >> spec.width).any():
-            raise ValueError(f"codes exceed W = {spec.width} bits")
+        check_sequence_codes(spec, k_codes, v_codes)
         n = k_codes.shape[1]
         if n == 0:
             return
@@ -389,3 +382,15 @@ class PlaneKVCache:
             raise FormatMismatch(
                 f"cache holds format {self.spec.format_id}; the reader uses {format_id}."
                 " Read it with the codec of the format it was written under")
+
+
+def check_sequence_codes(spec: FormatSpec, k_codes: torch.Tensor, v_codes: torch.Tensor) -> None:
+    """Raise unless K and V codes [Hkv, n, d] of one sequence fit ``spec``: shapes, uint8, at most W bits."""
+    exp = (spec.n_kv_heads, spec.head_dim)
+    if k_codes.shape != v_codes.shape or k_codes.dim() != 3 or (k_codes.shape[0], k_codes.shape[2]) != exp:
+        raise ValueError(f"expected K and V codes [{exp[0]}, n, {exp[1]}], got "
+                         f"{tuple(k_codes.shape)} and {tuple(v_codes.shape)}")
+    if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
+        raise TypeError("codes must be uint8 (encode with Codec.encode_k / encode_v first)")
+    if (k_codes >> spec.width).any() or (v_codes >> spec.width).any():
+        raise ValueError(f"codes exceed W = {spec.width} bits")

@@ -29,6 +29,7 @@ from ..kvstore import FormatSpec, PlaneKVError, Residency
 from ..kvstore.errors import CacheFull, FormatMismatch
 from ..kvstore.planes import (
     _planes_to_codes,
+    check_sequence_codes,
     plane_bits,
     unpack_bits,
     v_page_shape,
@@ -271,14 +272,7 @@ class TieredCache:
                 self.append(layer, k_codes[b], v_codes[b], seq=b)
             return
         spec = self.spec
-        exp = (spec.n_kv_heads, spec.head_dim)
-        if k_codes.shape != v_codes.shape or k_codes.dim() != 3 or (k_codes.shape[0], k_codes.shape[2]) != exp:
-            raise ValueError(f"expected K and V codes [{exp[0]}, n, {exp[1]}], got "
-                             f"{tuple(k_codes.shape)} and {tuple(v_codes.shape)}")
-        if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
-            raise TypeError("codes must be uint8 (encode with Codec.encode_k / encode_v first)")
-        if (k_codes >> spec.width).any() or (v_codes >> spec.width).any():
-            raise ValueError(f"codes exceed W = {spec.width} bits")
+        check_sequence_codes(spec, k_codes, v_codes)
         p = spec.page_size
         start, n = self.length(layer, seq), k_codes.shape[1]
         if n == 0:

@@ -9,21 +9,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from planekv.evaluation import calibrate, passkey, perplexity, split_search, suite  # noqa: E402
+from planekv.evaluation import passkey, perplexity, split_search, suite  # noqa: E402
 from planekv.kvstore import Calibration  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
 
 TINY = ["--calib-tokens", "512", "--calib-window", "256", "--device", "cpu"]
-
-
-@pytest.fixture(scope="module")
-def calib_path(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("calib")
-    assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
-                           "--out", str(out), "--no-register", "--device", "cpu"]) == 0
-    (path,) = out.glob("calibration-*.pt")
-    return path
 
 
 def test_calibration_artifact_round_trips(calib_path):

@@ -10,19 +10,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from planekv.evaluation import calibrate, common, executors, passkey, perplexity  # noqa: E402
+from planekv.evaluation import common, executors, passkey, perplexity  # noqa: E402
 from planekv.evaluation.units import Journal  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
-
-
-@pytest.fixture(scope="module")
-def calib_path(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("calib")
-    assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
-                           "--out", str(out), "--no-register", "--device", "cpu"]) == 0
-    (path,) = out.glob("calibration-*.pt")
-    return path
 
 
 def _without_seconds(rows: list[dict]) -> list[dict]:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from planekv.evaluation import calibrate, passkey, perplexity  # noqa: E402
+from planekv.evaluation import passkey, perplexity  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -49,15 +49,6 @@ def _run(code: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc.stderr
-
-
-@pytest.fixture(scope="module")
-def calib_path(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("calib")
-    assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
-                           "--out", str(out), "--no-register", "--device", "cpu"]) == 0
-    (path,) = out.glob("calibration-*.pt")
-    return path
 
 
 def _same(a, b) -> bool:
