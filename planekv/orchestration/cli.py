@@ -25,7 +25,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.free_ports:
         ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
     worker_args = ["--calib-tokens", str(args.calib_tokens), "--reader", args.reader, "--policy", args.policy,
-                   "--promotion-mib", str(args.promotion_mib)]
+                   "--promotion-mib", str(args.promotion_mib), "--max-batch", str(args.max_batch)]
     worker_args += ["--model", args.model] if args.model else []
     worker_args += ["--calibration", args.calibration] if args.calibration else []
     try:
@@ -83,6 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--reader", default="reference", choices=("reference", "triton"), help="the workers' reader")
     u.add_argument("--promotion-mib", type=float, default=64.0,
                    help="each tiered cache's promotion cache on the device, MiB (docs/TIERING.md)")
+    u.add_argument("--max-batch", type=int, default=8,
+                   help="the most prompts of one generate request that a worker decodes together")
     u.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every process to be healthy")
     u.set_defaults(func=_up)
     d = sub.add_parser("down", help="stop exactly what `planekv up` started")

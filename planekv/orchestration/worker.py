@@ -59,8 +59,11 @@ class PlaneWorker:
     def __init__(self, model: str | None = None, calibration: str | None = None, calib_tokens: int = 1024,
                  device: str = "auto", reader: str = "reference", placement: dict | None = None,
                  policy: str | None = None, control_url: str | None = None, api_token: str | None = None,
-                 promotion_mib: float = 64.0, name: str = "worker") -> None:
+                 promotion_mib: float = 64.0, max_batch: int = 8, name: str = "worker") -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.name = name
+        self.max_batch = max_batch
         self.reader = reader
         self.promotion_mib = promotion_mib
         self.policy_name = policy
@@ -161,53 +164,71 @@ class PlaneWorker:
 
     def generate(self, prompts: list[str], max_new_tokens: int = 32, rate: float = 4.0,
                  system: str = "readkv-flexible", chat: bool = True) -> list[dict[str, Any]]:
-        """Greedy generation for each prompt through a PlaneKV cache (tiered under a placement policy); per
-        prompt its text, tokens, bits read per scalar, caps and bytes per tier."""
+        """Greedy generation for the prompts through PlaneKV caches (tiered under a placement policy), up to
+        ``max_batch`` prompts decoding together in one cache (left-padded; pads are never stored or read). Per
+        prompt its text and token counts; bits read per scalar, caps and bytes per tier are those of its batch."""
         if not prompts or max_new_tokens < 1:
             raise ValueError("give at least one prompt and max_new_tokens >= 1")
         self.wait_ready()
         with self._lock:
-            return [self._generate_one(p, max_new_tokens, rate, system, chat) for p in prompts]
+            out: list[dict[str, Any]] = []
+            for a in range(0, len(prompts), self.max_batch):
+                out += self._generate_batch(prompts[a: a + self.max_batch], max_new_tokens, rate, system, chat)
+            return out
 
-    def _generate_one(self, prompt: str, max_new: int, rate: float, system: str, chat: bool) -> dict[str, Any]:
-        from ..evaluation.common import SystemRow, build_system, default_k_share
-        from ..models.hf import Tiering, make_cache
-
-        s = self.setup
-        tok, model = s.lm.tokenizer, s.lm.model
+    def _prompt_ids(self, prompt: str, chat: bool) -> torch.Tensor:
+        """The prompt's token ids [N] (in the model's chat template when it has one and ``chat``)."""
+        tok = self.setup.lm.tokenizer
         if chat and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           return_tensors="pt")
             ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
         else:
             ids = tok(prompt, return_tensors="pt").input_ids
-        ids = ids.to(s.device)
+        return ids[0]
+
+    def _generate_batch(self, prompts: list[str], max_new: int, rate: float, system: str,
+                        chat: bool) -> list[dict[str, Any]]:
+        from ..evaluation.common import SystemRow, build_system, default_k_share
+        from ..models.hf import Tiering, make_cache
+
+        s = self.setup
+        tok, model = s.lm.tokenizer, s.lm.model
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        each = [self._prompt_ids(p, chat) for p in prompts]
+        n = max(int(x.numel()) for x in each)
+        ids = torch.full((len(each), n), pad, dtype=torch.long)  # [B, N], left-padded
+        mask = torch.zeros_like(ids)  # [B, N]: 1 for prompt tokens
+        for b, x in enumerate(each):
+            ids[b, n - x.numel():], mask[b, n - x.numel():] = x, 1
         row = SystemRow(system, rate, default_k_share(rate) if system == "readkv-flexible" else None)
         kv = build_system(row, s.codec)
         placement = self.placement() if system.startswith("readkv") else None
         tiering = None if placement is None else Tiering(
-            hot=placement.hot_planes.k, max_tokens=ids.shape[1] + max_new + 1,
+            hot=placement.hot_planes.k, max_tokens=n + max_new + 1,
             promotion_bytes=int(self.promotion_mib * (1 << 20)), placement=placement)
         cache = make_cache(model, kv, reader=self.reader, tiering=tiering)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, past_key_values=cache, max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)
+            out = model.generate(ids.to(s.device), attention_mask=mask.to(s.device), past_key_values=cache,
+                                 max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
         dt = time.perf_counter() - t0
-        new = out[0, ids.shape[1]:]
+        new = out[:, n:].cpu()  # [B, steps + 1]; a finished sequence is filled with pad tokens
+        lengths = [_until_eos(new[b], tok.eos_token_id) for b in range(len(each))]
         st = self.stats_
         st.requests["generate"] = st.requests.get("generate", 0) + 1
-        st.sequences += 1
-        st.tokens_generated += int(new.numel())
-        steps = max(0, int(new.numel()) - 1)  # the first token comes from the dense prefill
+        st.sequences += len(each)
+        st.tokens_generated += sum(lengths)
+        steps = max(0, int(new.shape[1]) - 1)  # the first token comes from the dense prefill
         self._count_decode(cache, steps, dt, tiered=tiering is not None)
         if tiering is None:
             st.tier_bytes = {}
-        return {"text": tok.decode(new, skip_special_tokens=True), "prompt_tokens": int(ids.shape[1]),
-                "new_tokens": int(new.numel()), "bits_per_scalar": cache.tally.bits_per_scalar,
-                "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
-                "tier_bytes": dict(st.tier_bytes), "seconds": dt,
-                "hot_planes": None if placement is None else placement.hot_planes.k}
+        return [{"text": tok.decode(new[b, :m], skip_special_tokens=True), "prompt_tokens": int(x.numel()),
+                 "new_tokens": m, "batch_size": len(each), "bits_per_scalar": cache.tally.bits_per_scalar,
+                 "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
+                 "tier_bytes": dict(st.tier_bytes), "seconds": dt,
+                 "hot_planes": None if placement is None else placement.hot_planes.k}
+                for b, (x, m) in enumerate(zip(each, lengths, strict=True))]
 
     def score(self, text: str | list[int], window: int = 512, rate: float = 4.0, system: str = "readkv-flexible",
               max_tokens: int | None = None) -> dict[str, Any]:
@@ -345,3 +366,9 @@ class PlaneWorker:
         Gauge("planekv_worker_policy_version", "active placement policy version in use", ["worker"],
               registry=reg).labels(**labels).set(st["policy_version"])
         return generate_latest(reg).decode()
+
+
+def _until_eos(new: torch.Tensor, eos: int | None) -> int:
+    """How many of the new tokens [S] a sequence generated: up to and including its first EOS (the rest pads)."""
+    hits = (new == eos).nonzero() if eos is not None else new[:0]
+    return int(hits[0, 0]) + 1 if hits.numel() else int(new.numel())

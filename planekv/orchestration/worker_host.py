@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control-url", default=None)
     p.add_argument("--reader", default="reference", choices=("reference", "triton"))
     p.add_argument("--promotion-mib", type=float, default=64.0, help="a tiered cache's promotion cache on the device")
+    p.add_argument("--max-batch", type=int, default=8, help="the most prompts of a request decoding in one cache")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import os
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     kwargs = dict(model=args.model, calibration=args.calibration, calib_tokens=args.calib_tokens,
                   device="cuda" if args.gpus > 0 else "cpu", reader=args.reader, policy=args.policy,
-                  control_url=args.control_url, promotion_mib=args.promotion_mib,
+                  control_url=args.control_url, promotion_mib=args.promotion_mib, max_batch=args.max_batch,
                   api_token=os.environ.get("PLANEKV_API_TOKEN"))
     actor = start_actor(args.index, args.gpus, kwargs)
     server = ThreadingHTTPServer((args.host, args.port), _handler(actor))

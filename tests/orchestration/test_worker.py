@@ -77,3 +77,29 @@ def test_a_model_that_cannot_load_is_reported_not_hung(tmp_path):
     with pytest.raises(RuntimeError, match="failed to load"):
         w.wait_ready(timeout=60)
     assert w.ping()["state"] == "failed" and w.ping()["error"]
+
+
+def test_prompts_of_one_request_decode_together_as_each_alone(worker):
+    """Three prompts of different lengths in one request (left-padded into one cache, two per batch with
+    max_batch = 2) give each prompt's tokens alone, at full depth and at R = 4."""
+    prompts = [PROMPT, "The weather", PROMPT[:40]]
+    worker.max_batch = 2
+    try:
+        for rate in (8.0, 4.0):
+            together = worker.generate(prompts, max_new_tokens=5, rate=rate, chat=False)
+            alone = [worker.generate([p], max_new_tokens=5, rate=rate, chat=False)[0] for p in prompts]
+            assert [r["text"] for r in together] == [r["text"] for r in alone]
+            assert [r["batch_size"] for r in together] == [2, 2, 1]
+            assert [r["prompt_tokens"] for r in together] == [r["prompt_tokens"] for r in alone]
+    finally:
+        worker.max_batch = 8
+
+
+def test_a_batch_under_a_placement_policy_is_tiered_and_finished(worker):
+    worker.set_placement(PlacementPolicy(hot_planes={"k": 2, "v": 2}).model_dump(mode="json"))
+    try:
+        out = worker.generate([PROMPT * 4, PROMPT * 2], max_new_tokens=4, rate=4.0, chat=False)
+    finally:
+        worker.set_placement(None)
+    assert [r["batch_size"] for r in out] == [2, 2] and all(r["new_tokens"] >= 1 for r in out)
+    assert out[0]["tier_bytes"]["host"] > 0 and 0.0 <= out[0]["cap_rate"] <= 1.0
