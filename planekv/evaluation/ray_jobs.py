@@ -6,7 +6,9 @@ entrypoint. This module wraps the submission so that a long evaluation shows its
 
     planekv eval submit --address http://127.0.0.1:8265 perplexity -- --calibration C.pt --out results/x
 
-The job runs in the cluster's Python environment (the package must be installed on its nodes);
+The entrypoint is the job's ``planekv`` command (``python -m planekv.cli eval perplexity ...``), so the job's
+own ``--workers N`` runs its units on N workers of the cluster it was submitted to. The job runs in the cluster's
+Python environment (the package must be installed on its nodes);
 ``--env`` adds environment variables (``HF_HUB_OFFLINE=1`` is always set: no weights are ever
 downloaded). Polling is bounded by ``--timeout``; on timeout or interruption the job is stopped.
 """
@@ -20,9 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-JOBS = {"perplexity": "planekv.evaluation.perplexity", "passkey": "planekv.evaluation.passkey",
-        "split": "planekv.evaluation.split_search", "all": "planekv.evaluation.suite",
-        "calibrate": "planekv.evaluation.calibrate"}
+# each job's `planekv` command (run as `python -m planekv.cli ...`: the command registers the Ray executor, so a
+# job's own `--workers N` spreads its units over N workers of the cluster the job runs on)
+JOBS = {"perplexity": ("eval", "perplexity"), "passkey": ("eval", "passkey"), "split": ("eval", "split"),
+        "all": ("eval", "all"), "calibrate": ("calibrate",)}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -42,7 +45,7 @@ def entrypoint(job: str, args: Sequence[str], python: str = "python") -> str:
     """The shell command Ray runs for ``job`` (a key of JOBS) with ``args``."""
     if job not in JOBS:
         raise ValueError(f"unknown job {job!r}; one of {sorted(JOBS)}")
-    return " ".join([shlex.quote(python), "-m", JOBS[job], *map(shlex.quote, args)])
+    return " ".join([shlex.quote(python), "-m", "planekv.cli", *JOBS[job], *map(shlex.quote, args)])
 
 
 def submit_and_wait(address: str, job: str, args: Sequence[str], env: dict[str, str] | None = None,

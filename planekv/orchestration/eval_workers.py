@@ -8,7 +8,9 @@ IN_FLIGHT_PER_ACTOR units queued at each actor and yields results as they finish
 restarts leaves the pool. Every wait is bounded: the workers' start by START_TIMEOUT_S, the units by the job's
 ``--unit-timeout`` (no unit finished for that long).
 
-The Ray cluster: with ``address`` None, one started on this machine for the job (``num_cpus`` = N, its GPUs) and
+The Ray cluster: with ``address`` None, the one in ``RAY_ADDRESS`` when it is set (a Ray job's driver has it: a
+job submitted with ``planekv eval submit`` runs its units on the cluster it was submitted to), else one started
+on this machine for the job (``num_cpus`` = N, its GPUs) and
 stopped after it; ``"stack"``: the one ``planekv up`` started (its token auth, ``client.join_stack``); else any Ray
 address (``host:port``, ``auto``), with Ray's own environment (e.g. ``RAY_AUTH_TOKEN``) for auth. An already
 connected Ray (``ray.is_initialized()``) is used as it is. Actors live in the ``planekv`` namespace.
@@ -140,6 +142,10 @@ class RayExecutor:
 def _init_ray(workers: int, address: str | None) -> None:
     import ray
 
+    if address is None and os.environ.get("RAY_ADDRESS"):  # inside a Ray job (or told so): its cluster
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
+        log.info("joined the Ray cluster of this job (RAY_ADDRESS %s)", os.environ["RAY_ADDRESS"])
+        return
     if address is None:
         import torch
 

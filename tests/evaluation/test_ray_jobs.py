@@ -81,7 +81,9 @@ def ray_dashboard():
 
 
 @pytest.mark.slow
-def test_perplexity_job_runs_as_a_ray_job(ray_dashboard, tiny_model_dir, tmp_path):
+def test_perplexity_job_runs_as_a_ray_job_on_a_worker_of_its_cluster(ray_dashboard, tiny_model_dir, tmp_path):
+    """`planekv eval submit ... perplexity -- ... --workers 1`: the job's units run on an EvalWorker actor of the
+    cluster the job was submitted to (not a cluster of its own)."""
     calib_dir = tmp_path / "calib"
     assert calibrate.main(["--model", str(tiny_model_dir), "--max-tokens", "512", "--window", "256",
                            "--out", str(calib_dir), "--no-register", "--device", "cpu"]) == 0
@@ -92,7 +94,7 @@ def test_perplexity_job_runs_as_a_ray_job(ray_dashboard, tiny_model_dir, tmp_pat
         ray_dashboard, "perplexity",
         ["--model", str(tiny_model_dir), "--calibration", str(calib), "--out", str(out), "--window", "64",
          "--windows", "1", "--texts", "pride_and_prejudice", "--systems", "dense", "readkv-flexible",
-         "--rates", "2", "--device", "cpu"],
+         "--rates", "2", "--device", "cpu", "--workers", "1"],
         env={"TRITON_INTERPRET": "1"}, timeout_s=600, poll_s=0.5, on_log=lines.append)
     assert res.ok, res.logs[-4000:]
     rows = {r["name"]: r for r in json.loads((out / "perplexity.json").read_text())["rows"]}
@@ -100,9 +102,11 @@ def test_perplexity_job_runs_as_a_ray_job(ray_dashboard, tiny_model_dir, tmp_pat
     assert rows["readkv-flexible"]["read_fraction"] == pytest.approx(2 / 16, abs=0.01)
     assert (out / "report.md").exists()
     assert "".join(lines)  # the job's log reached us while it ran
+    assert "joined the Ray cluster of this job" in res.logs
 
 
 def test_unknown_job_is_refused_before_submission():
     with pytest.raises(ValueError, match="unknown job"):
         ray_jobs.entrypoint("train", [])
-    assert ray_jobs.entrypoint("passkey", ["--out", "a b"]) == "python -m planekv.evaluation.passkey --out 'a b'"
+    assert ray_jobs.entrypoint("passkey", ["--out", "a b"]) == "python -m planekv.cli eval passkey --out 'a b'"
+    assert ray_jobs.entrypoint("calibrate", []) == "python -m planekv.cli calibrate"
