@@ -42,6 +42,7 @@ from .frame import (
 from .host_tier import HostTier
 from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec
 from .prefetch import Prefetcher, PrefetchPlan, StepTally
+from .spill_tier import SpillTier
 from .tiered_cache import TierBytes, TieredCache
 from .tiers import FILE, MEMORY, FileTier, MemoryTier, PosixFileTier
 
@@ -51,6 +52,6 @@ __all__ = [
     "TieredCache", "tiered_decode_step", "BlockInfo", "BlockKey", "BlockKeyMismatch", "BlockListener", "BlockStore",
     "BlockTooLarge", "ChecksumMismatch", "FileTier", "FrameHeader", "FrameTruncated", "HotPlanes",
     "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PosixFileTier",
-    "PutResult", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion", "decode_frame",
-    "decode_header", "encode_frame", "iter_frames", "verify_frame",
+    "PutResult", "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
+    "decode_frame", "decode_header", "encode_frame", "iter_frames", "verify_frame",
 ]

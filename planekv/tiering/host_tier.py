@@ -6,8 +6,10 @@ pages' bytes one after another, zero padding to 4 KiB); when it holds as many pa
 its header is written (key with page and plane range, checksum) and it is immutable from then on: the unit a
 lower tier (NVMe, the store service) takes. Reads return views of a page's bytes in place.
 
-Bounded: the blocks of every stream together never exceed ``capacity_bytes``; a page that does not fit is
-refused with ``TierFull`` and nothing already stored is touched.
+Bounded: the blocks of every stream together never exceed ``capacity_bytes``. With a spill tier
+(``planekv.tiering.SpillTier``, NVMe) a block that does not fit makes room by moving the least recently read
+sealed blocks there (their pages then read from the file, checked); without one, or when the spill tier is full
+too, the page is refused with ``TierFull`` and nothing already stored is touched.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from .errors import TierFull
 from .frame import HEADER_BYTES, BlockKey, aligned, frame_header
+from .spill_tier import SpillTier
 
 StreamKey = tuple[str, str, int, int]  # (sequence id, "k" | "v", layer, KV head)
 
@@ -26,9 +29,11 @@ StreamKey = tuple[str, str, int, int]  # (sequence id, "k" | "v", layer, KV head
 @dataclass
 class _Block:
     first_slot: int  # page slot (position in its sequence) of the block's first page
-    buf: torch.Tensor  # uint8 [HEADER_BYTES + room for pages x page bytes, padded to 4 KiB]; grows while open
+    buf: torch.Tensor | None  # uint8 [HEADER_BYTES + room for pages x page bytes, padded to 4 KiB]; grows while
+    #                           open; None once spilled
     n_pages: int = 0
     key: BlockKey | None = None  # set when sealed (framed)
+    last_read: int = 0  # the tier's read counter when a page of it was last read (or it was sealed)
 
 
 @dataclass
@@ -41,7 +46,8 @@ class _Stream:
 class HostTier:
     """Sealed pages' refinement planes, per stream, in framed blocks of ``block_bytes`` (>= one page)."""
 
-    def __init__(self, format_id: str, capacity_bytes: int, block_bytes: int = 4 << 20, pinned: bool = False) -> None:
+    def __init__(self, format_id: str, capacity_bytes: int, block_bytes: int = 4 << 20, pinned: bool = False,
+                 spill: SpillTier | None = None) -> None:
         if capacity_bytes < 0 or block_bytes <= HEADER_BYTES:
             raise ValueError(f"capacity_bytes must be >= 0 and block_bytes > {HEADER_BYTES}, got "
                              f"{capacity_bytes} and {block_bytes}")
@@ -49,14 +55,21 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
         self.pinned = pinned
+        self.spill = spill
         self._streams: dict[StreamKey, _Stream] = {}
         self._used = 0
-        self._lock = threading.Lock()
+        self._reads = 0
+        self._lock = threading.RLock()
 
     @property
     def used_bytes(self) -> int:
         """Bytes of every block buffer allocated (an open block grows by doubling as pages arrive, up to a block)."""
         return self._used
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Bytes of this tier's blocks in the spill tier."""
+        return self.spill.used_bytes if self.spill is not None else 0
 
     def pages_per_block(self, page_bytes: int) -> int:
         return max(1, (self.block_bytes - HEADER_BYTES) // page_bytes)
@@ -81,6 +94,7 @@ class HostTier:
             if not st.blocks or st.blocks[-1].key is not None:
                 st.blocks.append(_Block(first_slot=slot, buf=self._alloc(self._block_size(st.page_bytes, 1, per))))
             blk = st.blocks[-1]
+            assert blk.buf is not None  # an open block is never spilled
             if HEADER_BYTES + (blk.n_pages + 1) * st.page_bytes > blk.buf.numel():  # grow the open block
                 grown = self._alloc(self._block_size(st.page_bytes, 2 * blk.n_pages, per))
                 grown[: blk.buf.numel()] = blk.buf
@@ -97,10 +111,14 @@ class HostTier:
         return HEADER_BYTES + aligned(min(max(pages, 1), per_block) * page_bytes)
 
     def _alloc(self, size: int) -> torch.Tensor:
-        """A zeroed block buffer of ``size`` bytes (pinned on CUDA hosts), counted; TierFull if it does not fit."""
+        """A zeroed block buffer of ``size`` bytes (pinned on CUDA hosts), counted; room is made by spilling sealed
+        blocks where there is a spill tier; TierFull if it does not fit."""
+        if self._used + size > self.capacity_bytes and self.spill is not None:
+            self._spill_for(size)
         if self._used + size > self.capacity_bytes:
+            where = " and the spill tier's sealed blocks cannot make room" if self.spill is not None else ""
             raise TierFull(f"host tier full: {self._used} of {self.capacity_bytes} bytes used, a block needs "
-                           f"{size}; raise the memory tier's capacity or free sequences")
+                           f"{size}{where}; raise the memory tier's capacity or free sequences")
         buf = torch.zeros(size, dtype=torch.uint8)
         self._used += size
         return buf.pin_memory() if self.pinned else buf
@@ -112,15 +130,41 @@ class HostTier:
         payload = blk.buf[HEADER_BYTES: HEADER_BYTES + blk.n_pages * st.page_bytes].numpy()
         blk.buf[:HEADER_BYTES] = torch.frombuffer(bytearray(frame_header(key, payload)), dtype=torch.uint8)
         blk.key = key
+        blk.last_read = self._reads
+
+    def _spill_for(self, size: int) -> None:
+        """Move sealed blocks, least recently read first, to the spill tier until ``size`` more bytes fit (or no
+        sealed block is left in memory). A block that cannot be written stays in memory (TierFull / OSError
+        propagate: the caller's page is refused, nothing stored is lost)."""
+        assert self.spill is not None
+        sealed = sorted(((b.last_read, k, i) for k, st in self._streams.items() for i, b in enumerate(st.blocks)
+                         if b.key is not None and b.buf is not None), key=lambda t: t[0])
+        for _, stream, i in sealed:
+            if self._used + size <= self.capacity_bytes:
+                return
+            st = self._streams[stream]
+            blk = st.blocks[i]
+            assert blk.buf is not None and blk.key is not None
+            frame = blk.buf[: HEADER_BYTES + aligned(blk.n_pages * st.page_bytes)]
+            self.spill.write(blk.key, frame, HEADER_BYTES, st.page_bytes)
+            self._used -= blk.buf.numel()
+            blk.buf = None
 
     def page(self, stream: StreamKey, slot: int) -> torch.Tensor:
-        """A view of the bytes of the page at ``slot`` (uint8 [page bytes]); KeyError if it is not held."""
-        st = self._streams.get(stream)
-        if st is not None:
-            for blk in st.blocks:
-                if blk.first_slot <= slot < blk.first_slot + blk.n_pages:
-                    off = HEADER_BYTES + (slot - blk.first_slot) * st.page_bytes
-                    return blk.buf[off: off + st.page_bytes]
+        """The bytes of the page at ``slot`` (uint8 [page bytes]: a view in memory, a fresh tensor read from the
+        spill tier); KeyError if it is not held, BlockCorrupt if its spilled bytes do not check."""
+        with self._lock:
+            st = self._streams.get(stream)
+            if st is not None:
+                for blk in st.blocks:
+                    if blk.first_slot <= slot < blk.first_slot + blk.n_pages:
+                        self._reads += 1
+                        blk.last_read = self._reads
+                        if blk.buf is None:  # spilled
+                            assert self.spill is not None and blk.key is not None
+                            return self.spill.read_page(blk.key, slot - blk.first_slot)
+                        off = HEADER_BYTES + (slot - blk.first_slot) * st.page_bytes
+                        return blk.buf[off: off + st.page_bytes]
         raise KeyError(f"the host tier holds no page {slot} of {stream}")
 
     def frames(self, stream: StreamKey) -> list[tuple[BlockKey, torch.Tensor]]:
@@ -128,15 +172,26 @@ class HostTier:
         st = self._streams.get(stream)
         if st is None:
             return []
-        return [(b.key, b.buf[: HEADER_BYTES + aligned(b.n_pages * st.page_bytes)]) for b in st.blocks
-                if b.key is not None]
+        out = []
+        for b in st.blocks:
+            if b.key is None:
+                continue
+            if b.buf is None:  # spilled
+                assert self.spill is not None
+                out.append((b.key, torch.frombuffer(bytearray(self.spill.read_frame(b.key)), dtype=torch.uint8)))
+            else:
+                out.append((b.key, b.buf[: HEADER_BYTES + aligned(b.n_pages * st.page_bytes)]))
+        return out
 
     def drop_sequence(self, sequence_id: str) -> int:
         """Free every block of a sequence; returns the bytes freed."""
         with self._lock:
             gone = [k for k in self._streams if k[0] == sequence_id]
-            freed = sum(b.buf.numel() for k in gone for b in self._streams[k].blocks)
+            freed = sum(b.buf.numel() for k in gone for b in self._streams[k].blocks if b.buf is not None)
             for k in gone:
+                for b in self._streams[k].blocks:
+                    if b.buf is None and b.key is not None and self.spill is not None:
+                        self.spill.delete(b.key)
                 del self._streams[k]
             self._used -= freed
         return freed

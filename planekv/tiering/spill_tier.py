@@ -1,0 +1,208 @@
+"""The spill tier (NVMe): sealed host-tier blocks as files, read back a page at a time (docs/TIERING.md).
+
+When the host tier is full, its least recently read sealed blocks move here. A block is written whole, as its
+frame (4 KiB aligned), crash-atomically (``planekv.kvstore.atomic``: a temporary file, fsync, rename); its
+pages are read back one at a time at their offset in the frame, each checked against the checksum taken when
+the block was written (a mismatch raises ``BlockCorrupt``: never wrong bytes).
+
+Two ways to read, one interface, chosen when the tier opens and logged:
+
+- ``kvikio`` (CUDA hosts with kvikio installed, the ``gpu`` extra): ``CuFile.pread`` into pinned host memory,
+  through GPUDirect Storage where the host has it, kvikio's compatibility mode (POSIX reads in its thread pool)
+  where it has not.
+- ``posix`` (everywhere else): ``os.pread`` into host memory.
+
+The files belong to one process's caches: each tier writes under its own directory ``<root>/<pid>-<random>``
+and removes it on :meth:`SpillTier.close`; opening a tier removes the directories of processes that are gone
+(their caches died with them). Bounded: blocks together never exceed ``capacity_bytes`` (``TierFull``, nothing
+already stored touched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import xxhash
+
+from ..kvstore.atomic import atomic_write_bytes
+from .errors import BlockCorrupt, TierFull
+from .frame import BlockKey, decode_header
+
+log = logging.getLogger(__name__)
+
+POSIX = "posix"
+KVIKIO = "kvikio"
+BACKENDS = (POSIX, KVIKIO)
+
+
+def _page_checksum(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class SpillTier:
+    """Framed blocks as files under a directory of this process; ``backend``: "posix", "kvikio" or "auto"
+    (kvikio where it imports and CUDA is up, else POSIX)."""
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, backend: str = "auto",
+                 fsync: bool = True) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if backend not in (*BACKENDS, "auto"):
+            raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        _remove_dead_owners(self.root)
+        self.dir = self.root / f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.dir.mkdir()
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.backend, self._pread = _open_backend(backend)
+        self._sizes: dict[BlockKey, int] = {}  # bytes on disk per block
+        self._page_sums: dict[BlockKey, tuple[int, int, list[int]]] = {}  # (first page offset, page bytes, sums)
+        self._used = 0
+        self._lock = threading.Lock()
+        log.info("spill tier at %s: %s reads, capacity %d bytes", self.dir, self.backend, capacity_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def path(self, key: BlockKey) -> Path:
+        return self.dir / (f"{key.sequence_id}.{key.kind}.{key.layer}.{key.kv_head}.{key.page_start}-"
+                           f"{key.page_end}.{key.plane_start}-{key.plane_end}.blk")
+
+    def write(self, key: BlockKey, frame: torch.Tensor, page_offset: int, page_bytes: int) -> None:
+        """Store the sealed block ``key`` (its frame: uint8 [4 KiB multiple], on the host), whose pages are
+        ``page_bytes`` each from byte ``page_offset``. TierFull when it does not fit; an I/O error propagates
+        and leaves nothing under the key."""
+        raw = frame.detach().reshape(-1).numpy()
+        hdr = decode_header(raw)
+        if hdr.key != key or raw.nbytes != hdr.frame_bytes:
+            raise BlockCorrupt(f"the frame handed to the spill tier is {hdr.key} of {hdr.frame_bytes} bytes, "
+                               f"expected {key} of {raw.nbytes}")
+        with self._lock:
+            if self._used + raw.nbytes > self.capacity_bytes:
+                raise TierFull(f"spill tier full: {self._used} of {self.capacity_bytes} bytes used, a block needs "
+                               f"{raw.nbytes}; raise the NVMe tier's capacity or free sequences")
+            self._used += raw.nbytes  # reserved while written
+        try:
+            atomic_write_bytes(self.path(key), memoryview(raw), fsync=self.fsync)
+        except BaseException:
+            with self._lock:
+                self._used -= raw.nbytes
+            raise
+        sums = [_page_checksum(memoryview(raw)[page_offset + i * page_bytes: page_offset + (i + 1) * page_bytes])
+                for i in range(key.n_pages)]
+        with self._lock:
+            self._sizes[key] = raw.nbytes
+            self._page_sums[key] = (page_offset, page_bytes, sums)
+
+    def read_page(self, key: BlockKey, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Page ``index`` of block ``key`` (uint8 [page bytes], in ``out`` when given: host memory, pinned for
+        kvikio's fastest path), checked against its checksum; KeyError if the block is not here."""
+        offset, page_bytes, sums = self._page_sums[key]
+        if not 0 <= index < len(sums):
+            raise IndexError(f"block {key} holds {len(sums)} pages, asked for page {index}")
+        if out is None:
+            out = torch.empty(page_bytes, dtype=torch.uint8)
+        if out.dtype != torch.uint8 or out.numel() != page_bytes or out.device.type != "cpu":
+            raise ValueError(f"out must be uint8 [{page_bytes}] in host memory, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        got = self._pread(self.path(key), out, offset + index * page_bytes)
+        if got != page_bytes or _page_checksum(out.numpy()) != sums[index]:
+            raise BlockCorrupt(f"page {index} of spilled block {key} at {self.path(key)} does not match what was "
+                               f"written ({got} of {page_bytes} bytes read)")
+        return out
+
+    def read_frame(self, key: BlockKey) -> bytes:
+        """The whole frame of block ``key`` (as written)."""
+        return self.path(key).read_bytes()
+
+    def delete(self, key: BlockKey) -> None:
+        """Remove block ``key``'s file (absent: nothing to do); other failures raise OSError and keep the books."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
+            self._page_sums.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def close(self) -> None:
+        """Remove this tier's files and directory."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with self._lock:
+            self._sizes.clear()
+            self._page_sums.clear()
+            self._used = 0
+
+
+def _remove_dead_owners(root: Path) -> None:
+    """Remove ``<root>/<pid>-<random>`` directories whose process is gone."""
+    for d in root.iterdir():
+        pid = d.name.split("-", 1)[0]
+        if not d.is_dir() or not pid.isdigit() or _alive(int(pid)):
+            continue
+        log.info("removing %s: the spill files of process %s, which is gone", d, pid)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+PRead = Callable[[Path, torch.Tensor, int], int]  # (path, out uint8 host tensor, file offset) -> bytes read
+
+
+def _posix_pread(path: Path, out: torch.Tensor, offset: int) -> int:
+    view = memoryview(out.numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+    finally:
+        os.close(fd)
+
+
+def _open_backend(backend: str) -> tuple[str, PRead]:
+    """The backend's name and read function: kvikio where asked (or "auto" and it works here), else POSIX."""
+    if backend == POSIX:
+        return POSIX, _posix_pread
+    try:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        import kvikio  # the gpu extra
+
+        compat = kvikio.defaults.compat_mode()
+    except Exception as exc:  # noqa: BLE001 - any reason kvikio cannot serve here
+        if backend == KVIKIO:
+            raise RuntimeError(f"the kvikio spill backend was asked for and cannot run here: {exc}") from exc
+        log.info("spill tier: kvikio unavailable (%s); POSIX reads", exc)
+        return POSIX, _posix_pread
+
+    def kvikio_pread(path: Path, out: torch.Tensor, offset: int) -> int:
+        with kvikio.CuFile(path, "r") as f:
+            return int(f.pread(out.numpy(), size=out.numel(), file_offset=offset).get())
+
+    log.info("spill tier: kvikio reads (compatibility mode: %s)", compat)
+    return KVIKIO, kvikio_pread
