@@ -31,8 +31,8 @@ def run_stack_demo(out: Path, context: int = 2048, rates: tuple[float, ...] = (4
                    promotion_mib: float = 4.0, data_dir: Path | None = None,
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo; returns (and writes to ``out/stack_demo.json``) the phases with their rows."""
-    import httpx
-
+    from ..services.clients import ControlClient
+    from ..tiering import PlacementPolicy
     from . import stack
     from .client import connect
 
@@ -55,16 +55,12 @@ def run_stack_demo(out: Path, context: int = 2048, rates: tuple[float, ...] = (4
         say(f"worker ready: {ready['model']} on {ready['device']}, format {ready['format_id']} "
             f"({time.perf_counter() - t0:.1f} s)")
         phases = []
-        with httpx.Client(base_url=control, timeout=10.0) as api:
+        with ControlClient(control, timeout_s=10.0) as api:  # the REST API, through its typed client
             for i, h in enumerate(hots):
-                doc = {"hot_planes": {"k": h, "v": h}}
+                policy = PlacementPolicy(hot_planes={"k": h, "v": h})
                 comment = f"demo: {h} hot planes"
-                r = (api.post("/v1/policies", json={"name": POLICY, "policy": doc, "comment": comment}) if i == 0
-                     else api.put(f"/v1/policies/{POLICY}", json={"policy": doc, "comment": comment,
-                                                                   "activate": True}))
-                if r.status_code not in (200, 201):
-                    raise RuntimeError(f"the control plane refused the policy ({r.status_code}): {r.text[:300]}")
-                version = r.json()["active_version"] if i == 0 else r.json()["version"]
+                version = (api.create_policy(POLICY, policy, comment).active_version if i == 0
+                           else api.update_policy(POLICY, policy, comment, activate=True).version)
                 say(f"policy {POLICY!r} v{version} active through the REST API: {h} hot planes")
                 phase = _passkey_under(worker, version, context, rates, with_dense=i == 0)
                 phases.append(phase)

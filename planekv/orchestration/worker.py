@@ -129,26 +129,23 @@ class PlaneWorker:
                 self._placement = PlacementPolicy.model_validate(self._placement_doc)
             return self._placement
         if self.policy_name and self.control_url and time.monotonic() - self._policy_checked > POLICY_TTL_S:
-            import httpx
+            from ..services.clients import ControlClient, ServiceError
 
-            headers = {"authorization": f"Bearer {self.api_token}"} if self.api_token else {}
             try:
-                r = httpx.get(f"{self.control_url}/v1/policies/{self.policy_name}/active", headers=headers,
-                              timeout=5)
-            except httpx.HTTPError as exc:  # the control plane is away: keep the policy last seen
+                with ControlClient(self.control_url, self.api_token, timeout_s=5, retries=1) as control:
+                    active = control.active_policy(self.policy_name)
+            except ServiceError as exc:
+                if exc.status:  # the control plane answered an error
+                    raise RuntimeError(f"{self.name}: the control plane answered {exc.status} for policy "
+                                       f"{self.policy_name!r}: {exc.detail[:200]}") from exc
                 log.warning("%s: control plane unreachable (%s); keeping policy version %d", self.name, exc,
-                            self.stats_.policy_version)
+                            self.stats_.policy_version)  # it is away: keep the policy last seen
                 self._policy_checked = time.monotonic()
                 return self._placement
-            if r.status_code == 200:
-                doc = r.json()
-                self._placement = PlacementPolicy.model_validate(doc["policy"])
-                self.stats_.policy_version = int(doc["version"])
-            elif r.status_code == 404:  # no such policy (any more): every plane on the device
+            if active is not None:
+                self._placement, self.stats_.policy_version = active.policy, active.version
+            else:  # no such policy (any more): every plane on the device
                 self._placement, self.stats_.policy_version = None, 0
-            else:
-                raise RuntimeError(f"{self.name}: the control plane answered {r.status_code} for policy "
-                                   f"{self.policy_name!r}: {r.text[:200]}")
             self._policy_checked = time.monotonic()
         return self._placement
 
