@@ -190,6 +190,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(start([shutil.which("redis-server") or "redis-server", "--port", str(rport),
                                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], env, rport))
             env["PLANEKV_REDIS_URL"] = f"redis://127.0.0.1:{rport}/0"
+            env["PLANEKV_STORE__REQUIRE_REGISTERED_FORMAT"] = "false"  # no control plane registers FID here
         payload = os.urandom(args.block_mib * MiB)
         keys = [BlockKey(FID, f"bench-{i // 64}", "v", i % 64, 0, 0, 64, 2, 8) for i in range(args.blocks)]
         frames = [encode_frame(k, payload) for k in keys]

@@ -36,6 +36,14 @@ class StoreService(Endpoint):
     max_block_bytes: int = Field(default=64 << 20, ge=8192, description="largest frame a PUT may carry")
     redis_index: bool = Field(default=True, description="publish the block index to Redis (redis_url)")
     store_id: str | None = Field(default=None, description="name in the block index; default host:port")
+    require_registered_format: bool = Field(default=True, description="refuse (409) a block whose format is not "
+                                                                      "registered at the control plane (needs "
+                                                                      "redis_index)")
+    reconcile_interval_s: float = Field(default=60.0, gt=0, le=86400,
+                                        description="seconds between reconciliations of the block index with "
+                                                    "the tiers (one also runs at start)")
+    min_free_bytes: int = Field(default=1 << 30, ge=0, description="/readyz fails while the spill directory's disk "
+                                                                   "has less free space than this")
 
 
 class ControlService(Endpoint):

@@ -1,4 +1,5 @@
-"""`planekv bench attention`: the decode-attention benchmark (:mod:`planekv.bench.attention`)."""
+"""`planekv bench attention`: the decode-attention benchmark (:mod:`planekv.bench.attention`); `planekv bench
+tiering` and `planekv bench load` (:mod:`planekv.bench.tiering`, :mod:`planekv.bench.load`)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,45 @@ def _bench_tiering(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    import os
+    import signal
+
+    from .load import LoadConfig, LoadError, format_table, host_meta, parse_mix, result_to_json, run_load
+
+    try:
+        cfg = LoadConfig(clients=args.clients, seconds=args.seconds, max_requests=args.max_requests,
+                         timeout_s=args.timeout, mix=parse_mix(args.mix or ""), block_pages=args.block_pages,
+                         keys_per_client=args.keys_per_client, memory_bytes=int(args.memory_mib * 2**20),
+                         file_bytes=int(args.file_mib * 2**20), write_through=args.write_through, seed=args.seed)
+        pids = {name: int(pid) for name, _, pid in (p.partition("=") for p in args.pid)}
+    except ValueError as exc:
+        raise SystemExit(f"planekv bench load: {exc}") from None
+    console = Console(width=max(140, Console().width))
+    meta = host_meta() | {"args": vars(args) | {"func": None, "token": "(given)" if args.token else None}}
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through run_load, which stops every process it started
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        res = run_load(cfg, args.store_url, args.control_url, args.token or os.environ.get("PLANEKV_API_TOKEN"),
+                       pids, say=lambda s: console.print(f"[dim]{s}[/dim]"))
+    except LoadError as exc:
+        raise SystemExit(f"planekv bench load: {exc}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    meta["load_avg_at_end"] = os.getloadavg()
+    console.print(format_table(res))
+    if args.json:
+        result_to_json(res, args.json, meta)
+        console.print(f"wrote {args.json}")
+    if res["wrong_reads"] or res["errors_5xx"]:
+        console.print(f"[red]{res['wrong_reads']} wrong reads, {res['errors_5xx']} answers 5xx[/red]")
+        return 1
+    return 0
+
+
 def _at_least_one(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -125,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ReaderConfig.batch_streams: the ReadKV step as this many batch parts on CUDA streams")
     a.set_defaults(func=_bench_attention)
     _register_tiering(bsub)
+    _register_load(bsub)
 
 
 def _register_tiering(bsub: argparse._SubParsersAction) -> None:
@@ -157,3 +198,30 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--budget-gib", type=float, default=40.0, help="--timing: the GPU KV budget for the largest batch")
     t.add_argument("--json", help="write rows and metadata here")
     t.set_defaults(func=_bench_tiering)
+
+
+def _register_load(bsub: argparse._SubParsersAction) -> None:
+    from .load import DEFAULT_MIX, OPS
+
+    t = bsub.add_parser("load", help="N clients for M seconds against the store service and the control plane: "
+                                     "throughput, p50/p99, errors, wrong reads, peak RSS (issue 32)")
+    t.add_argument("--clients", type=_at_least_one, default=16, help="concurrent clients (asyncio tasks)")
+    t.add_argument("--seconds", type=float, default=60.0, help="how long the clients send requests")
+    t.add_argument("--max-requests", type=_at_least_one, default=2_000_000, help="at most this many, all clients")
+    t.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, s")
+    t.add_argument("--mix", default="", help=f"op=weight[,op=weight] over {', '.join(OPS)} (default "
+                                             + ",".join(f"{k}={v:g}" for k, v in DEFAULT_MIX.items()) + ")")
+    t.add_argument("--block-pages", type=_at_least_one, default=128,
+                   help="pages per block; a page is 8 KiB of payload (default 128: 1 MiB)")
+    t.add_argument("--keys-per-client", type=_at_least_one, default=16, help="distinct blocks each client cycles")
+    t.add_argument("--memory-mib", type=float, default=64.0, help="the started store's memory tier, MiB")
+    t.add_argument("--file-mib", type=float, default=128.0, help="the started store's file tier, MiB")
+    t.add_argument("--write-through", action="store_true", help="start the store in write-through mode")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--store-url", help="target this running store instead of starting one (with --control-url)")
+    t.add_argument("--control-url", help="target this running control plane (with --store-url)")
+    t.add_argument("--token", help="bearer token of the targeted services (default: $PLANEKV_API_TOKEN)")
+    t.add_argument("--pid", action="append", default=[], metavar="NAME=PID",
+                   help="a targeted process whose peak RSS to report (repeatable)")
+    t.add_argument("--json", help="write the result and metadata here")
+    t.set_defaults(func=_bench_load)

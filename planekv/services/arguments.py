@@ -32,6 +32,10 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-through", action="store_true", default=None,
                    help="put every block on the file tier before the PUT answers")
     p.add_argument("--no-redis-index", action="store_true", help="do not publish the block index to Redis")
+    p.add_argument("--reconcile-interval-s", type=float,
+                   help="seconds between reconciliations of the block index with the tiers (default 60)")
+    p.add_argument("--min-free-bytes", type=int, help="/readyz fails below this free space on the spill disk "
+                                                      "(default 1 GiB)")
 
 
 def add_control_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +62,8 @@ def _settings(args: argparse.Namespace, section: str, fields: tuple[str, ...],
 
 
 def store_settings(args: argparse.Namespace) -> Settings:
-    return _settings(args, "store", ("host", "port", "spill_dir", "memory_bytes", "file_bytes", "write_through"),
+    return _settings(args, "store", ("host", "port", "spill_dir", "memory_bytes", "file_bytes", "write_through",
+                                       "reconcile_interval_s", "min_free_bytes"),
                      {"redis_index": False} if args.no_redis_index else None)
 
 

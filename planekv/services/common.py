@@ -19,7 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +32,7 @@ from ..tiering.errors import (
     BlockExists,
     BlockKeyMismatch,
     BlockTooLarge,
+    BlockUndeletable,
     IndexPublishError,
     StoreFull,
     StoreIOError,
@@ -62,14 +63,35 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     StoreFull: 507,
     StoreIOError: 507,
     IndexPublishError: 503,
+    BlockUndeletable: 503,
 }
 
 _DESCRIPTIONS = {
     400: "Bad input: the message says what is wrong", 401: "Missing or wrong bearer token",
     404: "Not found", 409: "Conflicts with what is stored", 413: "Body too large",
     500: "Internal error: the message says what is inconsistent",
-    503: "A dependency (Redis) is unreachable; retry", 507: "No room in the store",
+    503: "A dependency (Redis, the file tier) is unavailable; the message says what to fix, then retry",
+    507: "No room in the store",
 }
+
+
+class Readiness(BaseModel):
+    """The body of ``/readyz`` on both services (200 ready, 503 not ready)."""
+
+    status: str = Field(description="ready, or not ready")
+    failing: list[str] = Field(description="the dependencies whose check failed")
+    checks: dict[str, str] = Field(description="each dependency: ok, or what is wrong")
+
+
+def readiness_response(checks: dict[str, str]) -> Response:
+    """200 if every check is "ok", else 503 naming the failing ones."""
+    failing = sorted(k for k, v in checks.items() if v != "ok")
+    body = Readiness(status="not ready" if failing else "ready", failing=failing, checks=checks)
+    return Response(body.model_dump_json(), status_code=503 if failing else 200, media_type="application/json")
+
+
+READINESS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    503: {"model": Readiness, "description": "a dependency is failing: see failing"}}
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:

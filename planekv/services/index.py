@@ -68,9 +68,13 @@ def k_policy(name: str, part: str = "") -> str:
     return f"{P}policy:{name}" + (f":{part}" if part else "")
 
 
-# KEYS: blocks hash, store set, tierstats, cache hash, caches zset
-# ARGV: field, value json, size, tiers csv, format_id, sequence_id, now, force ("1": skip the format check)
+# KEYS: blocks hash, store set, tierstats, cache hash, caches zset, format hash
+# ARGV: field, value json, size, tiers csv, format_id, sequence_id, now, force ("1": skip the format checks),
+#       require ("1": the format must be registered)
 _COMMIT = """
+if ARGV[8] ~= '1' and ARGV[9] == '1' and redis.call('EXISTS', KEYS[6]) == 0 then
+  return redis.error_reply('NOFORMAT')
+end
 local fid = redis.call('HGET', KEYS[4], 'format_id')
 if fid and fid ~= ARGV[5] and ARGV[8] ~= '1' then
   return redis.error_reply('FORMAT ' .. fid)
@@ -134,11 +138,17 @@ class FormatConflict(FormatMismatch):
     """The sequence is registered under another format (raised by on_commit; answered 409)."""
 
 
+class FormatNotRegistered(FormatMismatch):
+    """The block's format is not registered at the control plane (raised by on_commit; answered 409)."""
+
+
 class RedisBlockIndex:
     """A :class:`~planekv.tiering.BlockListener` that keeps ``pkv:blocks:*`` in step with one store."""
 
-    def __init__(self, client: redis.Redis, store_id: str, info: dict[str, Any] | None = None) -> None:
+    def __init__(self, client: redis.Redis, store_id: str, info: dict[str, Any] | None = None,
+                 require_format: bool = False) -> None:
         self.r = client
+        self.require_format = require_format  # refuse new blocks of formats the control plane lacks
         self.store_id = store_id
         self.info = info or {}
         self._commit = client.register_script(_COMMIT)
@@ -146,10 +156,13 @@ class RedisBlockIndex:
         self._remove = client.register_script(_REMOVE)
 
     @classmethod
-    def connect(cls, url: str, store_id: str, info: dict[str, Any] | None = None) -> RedisBlockIndex:
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=3, decode_responses=True)
+    def connect(cls, url: str, store_id: str, info: dict[str, Any] | None = None,
+                require_format: bool = False) -> RedisBlockIndex:
+        from .redis_client import redis_sync
+
+        client = redis_sync(url)
         client.ping()
-        return cls(client, store_id, info)
+        return cls(client, store_id, info, require_format)
 
     def _field(self, info: BlockInfo) -> str:
         return f"{info.key}@{self.store_id}"
@@ -161,11 +174,17 @@ class RedisBlockIndex:
     def _commit_one(self, info: BlockInfo, gen: str, force: bool, client: Any = None) -> None:
         seq = info.key.sequence_id
         try:
-            self._commit(keys=[k_blocks(seq), k_store_keys(self.store_id), K_TIERSTATS, k_cache(seq), K_CACHES],
+            self._commit(keys=[k_blocks(seq), k_store_keys(self.store_id), K_TIERSTATS, k_cache(seq), K_CACHES,
+                               k_format(info.key.format_id)],
                          args=[self._field(info), self._value(info, gen), info.size, ",".join(info.tiers),
-                               info.key.format_id, seq, f"{time.time():.3f}", "1" if force else "0"],
+                               info.key.format_id, seq, f"{time.time():.3f}", "1" if force else "0",
+                               "1" if self.require_format else "0"],
                          client=client)
         except redis.ResponseError as exc:
+            if str(exc).startswith("NOFORMAT"):
+                raise FormatNotRegistered(f"format {info.key.format_id} is not registered at the control plane; "
+                                          "register it first (PUT /v1/formats/{format_id}), then PUT the "
+                                          "block again") from None
             if str(exc).startswith("FORMAT "):
                 raise FormatConflict(f"sequence {seq} is registered with format {str(exc)[7:]}, not "
                                      f"{info.key.format_id}; a sequence has one format") from None
@@ -191,6 +210,33 @@ class RedisBlockIndex:
         for info, gen in blocks:
             self._commit_one(info, gen, force=True, client=pipe)
         pipe.execute()
+
+    # ---- reconciliation (planekv.services.store.reconcile) ----
+
+    def published(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """This store's entries as the index holds them: field ``<key>@<store>`` -> (gen, tiers);
+        a field whose entry is gone maps to ("", ())."""
+        fields = sorted(self.r.smembers(k_store_keys(self.store_id)))
+        pipe = self.r.pipeline(transaction=False)
+        for field in fields:
+            pipe.hget(k_blocks(field.rsplit("@", 1)[0].split(":")[1]), field)
+        out: dict[str, tuple[str, tuple[str, ...]]] = {}
+        for field, raw in zip(fields, pipe.execute(), strict=True):
+            v = json.loads(raw) if raw else {}
+            out[field] = (v.get("gen", ""), tuple(v.get("tiers", ())))
+        return out
+
+    def field_of(self, info: BlockInfo) -> str:
+        return self._field(info)
+
+    def withdraw(self, field: str, gen: str) -> None:
+        """Remove this store's entry ``field`` if it is still incarnation ``gen``."""
+        seq = field.rsplit("@", 1)[0].split(":")[1]
+        self._remove(keys=[k_blocks(seq), k_store_keys(self.store_id), K_TIERSTATS], args=[field, gen or "*"])
+
+    def republish(self, info: BlockInfo, gen: str) -> None:
+        """(Re)write the entry of a block this store holds (no format check: it is stored already)."""
+        self._commit_one(info, gen, force=True)
 
     # ---- lifecycle ----
 

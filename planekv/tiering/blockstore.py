@@ -3,19 +3,28 @@
 Interface in the manner of LMCache's storage backends: ``contains / put / get / remove / close``,
 a miss is ``None``, shared state is guarded by one lock. The protocol is Mooncake Store's:
 
-- **put** verifies the frame, reserves room (choosing LRU victims that hold no lease), writes the
-  data (victims spill to the file tier; the new frame goes to memory, and also to the file tier in
-  write-through mode or when it is larger than the memory tier), then publishes the metadata (the
-  listener, e.g. a Redis index, first; the local index last). A failure anywhere undoes the
-  reservation, deletes what was written and the metadata, and raises: readers only ever see
-  complete, immutable blocks.
+- **put** verifies the frame, reserves room (choosing LRU victims that hold no lease and marking
+  them *doomed*: still stored, still served, chosen by no other put), writes the new frame (to
+  memory, and also to the file tier in write-through mode or when it is larger than the memory
+  tier), then publishes the metadata (the listener, e.g. a Redis index, first; the local index
+  last). Only once the block is committed are the victims evicted (spilled to the file tier,
+  dropped, or their files deleted). A failure before the commit undoes the reservation, deletes
+  what was written and the metadata, releases the victims untouched, and raises: a failed put
+  changes nothing else, and readers only ever see complete, immutable blocks.
+- **remove** unpublishes from the listener first, then deletes the file, then the local entry; it
+  returns only when the block is gone everywhere. If the listener is unreachable nothing is
+  deleted (IndexPublishError); if the file cannot be deleted the listener entry is restored and
+  the block stays stored and listed (BlockUndeletable). Named failpoints (:mod:`.failpoints`) sit
+  between the steps of both protocols.
 - **get** takes a read *lease* under the lock (and opens the file, if the block is on the file
   tier), reads and verifies the checksum without the lock, and releases the lease. Eviction never
   chooses a leased block. ``remove`` unpublishes at once; a read already holding a lease finishes
   from its own reference (memory) or open file (POSIX).
 - **eviction** is LRU per tier: the memory tier's victims spill to the file tier when it has room
   (evicting the file tier's own LRU blocks to make it), and are lost only when it cannot.
-- **restart** rebuilds the index from the frames on the file tier (torn temporary files removed).
+- **restart** rebuilds the index from the frames on the file tier (torn temporary files removed);
+  if they exceed the capacity, the newest are deleted (a crash mid-put leaves its own frame in
+  excess, and that put was never answered).
   On ``close()`` blocks held only in memory are written to the file tier (write-back mode).
 
 Sizes are frame bytes (header + payload padded to 4 KiB).
@@ -32,12 +41,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..kvstore.errors import PlaneKVError
+from . import failpoints
 from .errors import (
     BlockBusy,
     BlockCorrupt,
     BlockError,
     BlockExists,
     BlockTooLarge,
+    BlockUndeletable,
     IndexPublishError,
     StoreFull,
     StoreIOError,
@@ -91,6 +102,8 @@ class _Entry:
     on_disk: bool = False
     leases: int = 0
     removed: bool = False
+    removing: bool = False  # a remove() is in flight: a put of the key waits (BlockBusy)
+    doomed: str | None = None  # the tier whose room an in-flight put will take from this victim
 
     def info(self) -> BlockInfo:
         tiers = ((MEMORY,) if self.data is not None else ()) + ((FILE,) if self.on_disk else ())
@@ -111,13 +124,27 @@ class StoreStats:
 
 
 _COUNTERS = ("puts", "puts_existing", "put_bytes", "gets_memory", "gets_file", "misses", "get_bytes",
-             "corrupt", "spills", "evictions_memory", "evictions_file", "deletes", "put_failures")
+             "corrupt", "spills", "evictions_memory", "evictions_file", "deletes", "put_failures",
+             "delete_failures", "spill_failures", "missing_files")
 
 
 @dataclass
 class _Plan:
-    spills: list[tuple[_Entry, bytes]] = field(default_factory=list)  # entry, its frame (taken under the lock)
+    """The victims a put chose (doomed, untouched until the put commits) and the room it reserved."""
+
+    spills: list[_Entry] = field(default_factory=list)  # memory victims moving to the file tier
+    drop_copy: list[_Entry] = field(default_factory=list)  # memory victims already on the file tier
+    lost: list[_Entry] = field(default_factory=list)  # memory victims with no room left anywhere
+    evict_file: list[_Entry] = field(default_factory=list)  # file-tier victims, their files deleted
+    file_reserved: int = 0  # file-tier bytes reserved (the new block if written there, the spills)
+
+
+@dataclass
+class _Eviction:
+    """What a committed put's eviction does outside the lock."""
+
     file_deletes: list[BlockKey] = field(default_factory=list)
+    spills: list[tuple[_Entry, bytes]] = field(default_factory=list)  # entry, its frame (taken under the lock)
     events: list[tuple[str, BlockInfo, str, str]] = field(default_factory=list)
 
 
@@ -193,6 +220,9 @@ class BlockStore:
         self._file_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._mem_used = 0
         self._file_used = 0
+        # bytes of doomed victims: still held, already promised to an in-flight put's room
+        self._mem_doomed = 0
+        self._file_doomed = 0
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         if self.file is not None:
@@ -241,6 +271,9 @@ class BlockStore:
                 try:
                     reader = self.file.open(key)
                 except OSError as exc:
+                    if e.removing:  # its remove() deleted the file already
+                        self._counters["misses"] += 1
+                        return None
                     self._unpublish_locked(e)
                     self._counters["corrupt"] += 1
                     events = [("remove", e.info(), e.gen, "corrupt")]
@@ -274,6 +307,8 @@ class BlockStore:
                 raise StoreIOError("the block store is closed")
             e = self._index.get(key)
             if e is not None:
+                if e.removing:
+                    raise BlockBusy(f"a DELETE of block {key} is in flight; retry when it has finished")
                 if e.checksum == hdr.checksum and e.size == size:
                     self._counters["puts_existing"] += 1
                     return PutResult(e.info(), created=False)
@@ -286,15 +321,10 @@ class BlockStore:
                                 "retry when it has finished")
             plan = self._plan_room_locked(size, to_memory, write_file)
             self._pending.add(key)
-        self._emit(plan.events)
         gen = uuid.uuid4().hex
         info = BlockInfo(key, size, hdr.checksum, ((MEMORY,) if to_memory else ()) + ((FILE,) if write_file else ()))
         written = committed = False
         try:
-            for k in plan.file_deletes:  # unpublished already: their files go whatever happens next
-                self._delete_file(k)
-                self._file_io_end(k)
-            self._run_spills(plan)
             if write_file:
                 assert self.file is not None
                 try:
@@ -302,6 +332,7 @@ class BlockStore:
                 except OSError as exc:
                     raise StoreIOError(f"writing block {key} to the file tier failed: {exc}") from exc
                 written = True
+                failpoints.hit("put.after_file_write")
             if self.listener is not None:
                 try:
                     self.listener.on_commit(info, gen)
@@ -312,14 +343,17 @@ class BlockStore:
                     committed = True  # it may have half-published: undo below
                     raise IndexPublishError(f"publishing the metadata of block {key} failed ({exc}); "
                                             "the write was undone, retry when the index is reachable") from exc
+                committed = True
+                failpoints.hit("put.after_publish")
         except BaseException:
             with self._lock:
                 self._pending.discard(key)
                 self._counters["put_failures"] += 1
                 if to_memory:
                     self._mem_used -= size
-                if write_file:
-                    self._file_used -= size
+                self._file_used -= plan.file_reserved
+                for v in plan.spills + plan.drop_copy + plan.lost + plan.evict_file:
+                    self._undoom_locked(v)  # the victims stay as they were
                 if written:
                     self._file_io_begin_locked(key)
             if written:
@@ -339,23 +373,71 @@ class BlockStore:
             self._pending.discard(key)
             self._counters["puts"] += 1
             self._counters["put_bytes"] += size
+            eviction = self._evict_locked(plan)
+        self._run_eviction(eviction)
         return PutResult(info, created=True)
 
     def remove(self, key: BlockKey) -> bool:
-        """Delete ``key``; True if it was there. Reads holding a lease finish undisturbed."""
+        """Delete ``key``: True once it is gone from the listener's index, the file tier and memory;
+        False if it was not stored. Reads holding a lease finish undisturbed. Raises BlockBusy while
+        another remove of the key is in flight, IndexPublishError if the listener cannot unpublish
+        it (nothing deleted), BlockUndeletable if its file cannot be deleted (the block is kept,
+        still stored and listed)."""
         with self._lock:
             e = self._index.get(key)
             if e is None:
                 return False
-            on_disk = self._unpublish_locked(e)
+            if e.removing:
+                raise BlockBusy(f"another DELETE of block {key} is in flight; retry when it has finished")
+            e.removing = True
+            info = e.info()
+        unpublished = file_deleted = False
+        try:
+            if self.listener is not None:
+                try:
+                    self.listener.on_remove(info, e.gen, "deleted")
+                except Exception as exc:
+                    raise IndexPublishError(f"unpublishing block {key} failed ({exc}); nothing was deleted, the "
+                                            "block is still stored: retry when the index is reachable") from exc
+                unpublished = True
+            failpoints.hit("delete.after_index")
+            if self.file is not None and e.on_disk:
+                try:
+                    self.file.delete(key)
+                except OSError as exc:
+                    with self._lock:
+                        self._counters["delete_failures"] += 1
+                    raise BlockUndeletable(f"the file of block {key} could not be deleted ({exc}); the block is "
+                                           "kept (still stored and listed): make the spill directory writable "
+                                           "and DELETE again") from exc
+                file_deleted = True
+        except BaseException:
+            with self._lock:
+                e.removing = False
+                info = e.info()
+            if unpublished:  # the block is kept: list it again
+                self._republish(info, e.gen)
+            raise
+        with self._lock:
+            late_file = self._unpublish_locked(e) and not file_deleted  # a spill finished meanwhile
             self._counters["deletes"] += 1
-            if on_disk:
+            if late_file:
                 self._file_io_begin_locked(key)
-        if on_disk:
+        if late_file:
             self._delete_file(key)
             self._file_io_end(key)
-        self._emit([("remove", e.info(), e.gen, "deleted")])
         return True
+
+    def _republish(self, info: BlockInfo, gen: str) -> None:
+        """Put a block whose remove failed back into the listener's index (best effort: a later
+        reconciliation republishes what this misses)."""
+        if self.listener is None:
+            return
+        try:
+            self.listener.on_commit(info, gen)
+        except Exception as exc:
+            log.error("block %s is kept but could not be republished to the index (%s); the next "
+                      "reconciliation republishes it", info.key, exc)
 
     def keys(self) -> list[BlockKey]:
         with self._lock:
@@ -364,6 +446,42 @@ class BlockStore:
     def infos(self) -> list[BlockInfo]:
         with self._lock:
             return [e.info() for e in self._index.values()]
+
+    def snapshot(self) -> tuple[dict[BlockKey, tuple[BlockInfo, str]], set[BlockKey]]:
+        """The committed blocks (key -> (info, gen)) and the keys with a put, remove or file I/O in
+        flight, whose index entries a reconciliation must leave alone this time."""
+        with self._lock:
+            held = {k: (e.info(), e.gen) for k, e in self._index.items() if not e.removing}
+            busy = set(self._pending) | set(self._file_busy) | {k for k, e in self._index.items() if e.removing}
+        return held, busy
+
+    def state(self, key: BlockKey) -> tuple[BlockInfo, str] | None:
+        """(info, gen) of ``key`` if it is stored and no remove of it is in flight, else None."""
+        with self._lock:
+            e = self._index.get(key)
+            return (e.info(), e.gen) if e is not None and not e.removing else None
+
+    def drop_missing_files(self) -> int:
+        """Drop the blocks held only on the file tier whose file is gone (removed behind the store's
+        back); returns how many (also counted as ``missing_files``)."""
+        if self.file is None:
+            return 0
+        with self._lock:
+            cands = [e for e in self._file_lru.values()
+                     if e.data is None and not e.leases and not e.removing and not e.doomed]
+        gone = [e for e in cands if not self.file.exists(e.key)]
+        events: list[tuple[str, BlockInfo, str, str]] = []
+        with self._lock:
+            for e in gone:
+                if self._index.get(e.key) is not e or e.data is not None or e.leases or e.removing or e.doomed:
+                    continue
+                self._unpublish_locked(e)
+                self._counters["missing_files"] += 1
+                events.append(("remove", e.info(), e.gen, "missing"))
+        for _kind, info, _gen, _reason in events:
+            log.warning("block %s is listed but its file is gone from %s; dropped", info.key, self.file.root)
+        self._emit(events)
+        return len(events)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -442,8 +560,13 @@ class BlockStore:
                 del self._file_busy[key]
 
     def _unpublish_locked(self, e: _Entry) -> bool:
-        """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted."""
-        self._index.pop(e.key, None)
+        """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted.
+        Idempotent: an entry already removed (and a successor under its key) is left alone."""
+        self._undoom_locked(e)
+        if e.removed:
+            return False
+        if self._index.get(e.key) is e:
+            del self._index[e.key]
         e.removed = True
         if e.data is not None:
             self.memory.pop(e.key)
@@ -457,15 +580,30 @@ class BlockStore:
             e.on_disk = False
         return on_disk
 
+    def _doom_locked(self, e: _Entry, tier: str) -> None:
+        e.doomed = tier
+        if tier == MEMORY:
+            self._mem_doomed += e.size
+        else:
+            self._file_doomed += e.size
+
+    def _undoom_locked(self, e: _Entry) -> None:
+        if e.doomed == MEMORY:
+            self._mem_doomed -= e.size
+        elif e.doomed == FILE:
+            self._file_doomed -= e.size
+        e.doomed = None
+
     def _plan_room_locked(self, size: int, to_memory: bool, write_file: bool) -> _Plan:
-        """Choose victims so the new block fits, apply the accounting, return the I/O to do."""
+        """Choose victims so the new block fits and doom them (they stay stored and served until the
+        put commits), reserve the room; raise StoreFull if no room can be made."""
         plan = _Plan()
         victims: list[_Entry] = []
         if to_memory:
-            need = self._mem_used + size - self.memory_capacity
+            need = self._mem_used - self._mem_doomed + size - self.memory_capacity
             if need > 0:
                 for e in self._mem_lru.values():
-                    if e.leases:
+                    if e.leases or e.doomed or e.removing:
                         continue
                     victims.append(e)
                     need -= e.size
@@ -474,91 +612,118 @@ class BlockStore:
                 if need > 0:
                     raise StoreFull(
                         f"memory tier full ({self._mem_used} of {self.memory_capacity} bytes) and the "
-                        "remaining blocks are leased by reads in flight; retry shortly or raise "
+                        "remaining blocks are leased by reads or puts in flight; retry shortly or raise "
                         "PLANEKV_STORE__MEMORY_BYTES")
         victim_ids = {id(v) for v in victims}
-        free = self.file_capacity - self._file_used
-        file_cands = [e for e in self._file_lru.values() if not e.leases and id(e) not in victim_ids]
+        free = self.file_capacity - (self._file_used - self._file_doomed)
+        file_cands = [e for e in self._file_lru.values()
+                      if not e.leases and not e.doomed and not e.removing and id(e) not in victim_ids]
         evictable = sum(e.size for e in file_cands)
         new_file = size if write_file else 0
         if new_file > free + evictable:
             raise StoreFull(f"file tier full ({self._file_used} of {self.file_capacity} bytes) and the remaining "
                             "blocks are leased; retry shortly or raise PLANEKV_STORE__FILE_BYTES")
         budget = free + evictable - new_file
-        spills, lost, drop_copy = [], [], []
         for v in reversed(victims):  # the most recently used victims get the file tier's room first
             if v.on_disk:
-                drop_copy.append(v)
+                plan.drop_copy.append(v)
             elif self.file is not None and v.size <= budget:
-                spills.append(v)
+                plan.spills.append(v)
                 budget -= v.size
             else:
-                lost.append(v)
-        need_file = new_file + sum(v.size for v in spills) - free
+                plan.lost.append(v)
+        need_file = new_file + sum(v.size for v in plan.spills) - free
         for e in file_cands:
             if need_file <= 0:
                 break
-            self._unpublish_locked(e)
             need_file -= e.size
-            plan.file_deletes.append(e.key)
-            self._file_io_begin_locked(e.key)
-            plan.events.append(("remove", e.info(), e.gen, "evicted"))
-            self._counters["evictions_file"] += 1
-        for v in drop_copy:
-            self.memory.pop(v.key)
-            self._mem_lru.pop(v.key, None)
-            self._mem_used -= v.size
-            v.data = None
-            plan.events.append(("change", v.info(), v.gen, ""))
-        for v in lost:
-            self._unpublish_locked(v)
-            plan.events.append(("remove", v.info(), v.gen, "evicted"))
-            self._counters["evictions_memory"] += 1
-            log.warning("evicted block %s from memory with no room on the file tier: its data is lost", v.key)
-        for v in spills:
-            v.leases += 1  # pinned: no other put picks it
-            self._file_used += v.size
-            self._file_io_begin_locked(v.key)
-            assert v.data is not None
-            plan.spills.append((v, v.data))
+            plan.evict_file.append(e)
+            self._doom_locked(e, FILE)
+        for v in victims:
+            self._doom_locked(v, MEMORY)
         if to_memory:
             self._mem_used += size
-        self._file_used += new_file
+        plan.file_reserved = new_file + sum(v.size for v in plan.spills)
+        self._file_used += plan.file_reserved
         return plan
 
-    def _run_spills(self, plan: _Plan) -> None:
-        failure: BaseException | None = None
-        for v, data in plan.spills:
+    def _evict_locked(self, plan: _Plan) -> _Eviction:
+        """The put has committed: evict its victims (those not deleted meanwhile). Applies the
+        accounting; returns the file I/O and index events to run outside the lock."""
+        ev = _Eviction()
+        for e in plan.evict_file:
+            if e.doomed != FILE or e.removing:  # deleted meanwhile, or a DELETE of it is running
+                self._undoom_locked(e)
+                continue
+            self._unpublish_locked(e)
+            ev.file_deletes.append(e.key)
+            self._file_io_begin_locked(e.key)
+            ev.events.append(("remove", e.info(), e.gen, "evicted"))
+            self._counters["evictions_file"] += 1
+        for v in plan.drop_copy:
+            if v.doomed != MEMORY:
+                continue
+            self._undoom_locked(v)
+            if v.data is not None:
+                self.memory.pop(v.key)
+                self._mem_lru.pop(v.key, None)
+                self._mem_used -= v.size
+                v.data = None
+                ev.events.append(("change", v.info(), v.gen, ""))
+        for v in plan.lost:
+            if v.doomed != MEMORY or v.removing:
+                self._undoom_locked(v)
+                continue
+            self._unpublish_locked(v)
+            ev.events.append(("remove", v.info(), v.gen, "evicted"))
+            self._counters["evictions_memory"] += 1
+            log.warning("evicted block %s from memory with no room on the file tier: its data is lost", v.key)
+        for v in plan.spills:
+            if v.doomed != MEMORY or v.data is None or v.removing:
+                self._undoom_locked(v)
+                self._file_used -= v.size  # its reserved file room is not needed
+                continue
+            v.leases += 1  # pinned until written; it stays doomed so no other put picks it
+            self._file_io_begin_locked(v.key)
+            ev.spills.append((v, v.data))
+        return ev
+
+    def _run_eviction(self, ev: _Eviction) -> None:
+        try:
+            failpoints.hit("put.during_evict")
+        except Exception as exc:  # only a kill means something here; keep the books either way
+            log.error("eviction interrupted by %s; continuing", exc)
+        self._emit(ev.events)  # the index first, as in remove()
+        for k in ev.file_deletes:  # unpublished already
+            self._delete_file(k)
+            self._file_io_end(k)
+        for v, data in ev.spills:
             try:
-                failure = self._spill_one(v, data, failure)
+                self._spill_one(v, data)
             finally:
                 self._file_io_end(v.key)
-        if failure is not None:
-            raise StoreIOError(f"spilling to the file tier failed: {failure}; check the spill directory's disk")
 
-    def _spill_one(self, v: _Entry, data: bytes, failure: BaseException | None) -> BaseException | None:
-        """Write one pinned victim to the file tier (or, after an earlier failure, unpin it untouched);
-        returns the failure so far."""
-        if failure is None:
-            try:
-                assert self.file is not None
-                self.file.write(v.key, data)
-            except OSError as exc:
-                with self._lock:
-                    v.leases -= 1
-                    self._file_used -= v.size
-                return exc
-        else:
+    def _spill_one(self, v: _Entry, data: bytes) -> None:
+        """Write one pinned, doomed victim to the file tier and drop its memory copy; if the write
+        fails it stays in memory (over capacity until a later put evicts it), nothing is lost."""
+        try:
+            assert self.file is not None
+            self.file.write(v.key, data)
+        except OSError as exc:
             with self._lock:
                 v.leases -= 1
                 self._file_used -= v.size
-            return failure
+                self._undoom_locked(v)
+                self._counters["spill_failures"] += 1
+            log.error("spilling block %s to the file tier failed (%s); it stays in memory", v.key, exc)
+            return
         with self._lock:
             v.leases -= 1
             if v.removed:  # deleted while spilling: its file must go too
                 self._file_used -= v.size
                 delete, event = True, None
             else:
+                self._undoom_locked(v)
                 self.memory.pop(v.key)
                 self._mem_lru.pop(v.key, None)
                 self._mem_used -= v.size
@@ -571,7 +736,6 @@ class BlockStore:
             self._delete_file(v.key)
         if event is not None:
             self._emit([event])
-        return None
 
     def _delete_file(self, key: BlockKey) -> None:
         if self.file is not None:
@@ -625,11 +789,13 @@ class BlockStore:
             self._index[s.key] = e
             self._file_lru[s.key] = e
             self._file_used += s.size
-        over = [e for e in self._file_lru.values()]
+        # Over capacity only after a crash between a put's file write and its eviction (or a smaller
+        # capacity): the newest files give way, as they belong to puts that were never answered.
+        over = list(self._file_lru.values())
         while self._file_used > self.file_capacity and over:
-            e = over.pop(0)
+            e = over.pop()
             self._unpublish_locked(e)
-            self.file.delete(e.key)
+            self._delete_file(e.key)
             self._counters["evictions_file"] += 1
         if scanned:
             log.info("block index rebuilt from %s: %d blocks, %d bytes", self.file.root, len(self._index),

@@ -61,6 +61,11 @@ class StoreIOError(BlockError):
     """Writing to or reading from the file tier failed (disk full, I/O error)."""
 
 
+class BlockUndeletable(BlockError):
+    """The block's file could not be deleted (read-only tier, permission error): the block is kept,
+    still stored and listed."""
+
+
 class IndexPublishError(BlockError):
     """The block's metadata could not be published (e.g. Redis unreachable); the write was undone."""
 

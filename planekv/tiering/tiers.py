@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..kvstore.atomic import atomic_write_bytes
+from . import failpoints
 from .errors import BlockCorrupt, BlockError
 from .frame import HEADER_BYTES, BlockKey, FrameHeader, decode_header
 
@@ -56,7 +57,11 @@ class FileTier(Protocol):
         """Open the stored frame of ``key``; raises FileNotFoundError if absent."""
 
     def delete(self, key: BlockKey) -> None:
-        """Remove ``key``'s frame; absent is not an error. Open readers keep working."""
+        """Remove ``key``'s frame; absent is not an error, any other failure raises OSError (a
+        read-only tier, a permission error). Open readers keep working."""
+
+    def exists(self, key: BlockKey) -> bool:
+        """Whether a frame is stored under ``key`` (without reading it)."""
 
     def scan(self) -> Iterator[ScannedBlock]:
         """Every intact-looking frame on the tier (header parsed, size checked). Removes torn
@@ -128,6 +133,7 @@ class PosixFileTier:
         return self.root / key.format_id / key.sequence_id / f"{name}.blk"
 
     def write(self, key: BlockKey, frame: bytes) -> None:
+        failpoints.hit("file.write")
         atomic_write_bytes(self.path(key), frame, fsync=self.fsync, tmp_prefix=self.TMP_PREFIX)
 
     def open(self, key: BlockKey) -> BlockReader:
@@ -135,8 +141,24 @@ class PosixFileTier:
         return _PosixReader(fd, os.fstat(fd).st_size)
 
     def delete(self, key: BlockKey) -> None:
-        with contextlib.suppress(OSError):
+        failpoints.hit("file.delete")
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
+
+    def exists(self, key: BlockKey) -> bool:
+        return self.path(key).is_file()
+
+    def check_writable(self) -> None:
+        """Create and delete a probe file in the root; raises OSError if the tier cannot be written."""
+        failpoints.hit("file.write")
+        probe = self.root / f"{self.TMP_PREFIX}probe-{os.getpid()}"  # a leftover is removed by scan()
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+        failpoints.hit("file.delete")
+        os.unlink(probe)
 
     def scan(self) -> Iterator[ScannedBlock]:
         for dirpath, _dirs, files in os.walk(self.root):

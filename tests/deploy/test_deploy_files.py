@@ -124,8 +124,8 @@ def test_compose_every_service_has_a_healthcheck(compose) -> None:
         test = s["healthcheck"]["test"]
         assert test and test[0] in ("CMD", "CMD-SHELL"), name
     http = {name: " ".join(s["healthcheck"]["test"]) for name, s in compose["services"].items()}
-    assert "http://127.0.0.1:8080/healthz" in http["control"]
-    assert "http://127.0.0.1:8090/healthz" in http["store"]
+    assert "http://127.0.0.1:8080/readyz" in http["control"]  # readiness gates the dependents
+    assert "http://127.0.0.1:8090/readyz" in http["store"]
     assert "http://127.0.0.1:8095/healthz" in http["worker"]
     assert "/api/version" in http["ray-head"] and "redis-cli" in http["redis"]
 
@@ -254,11 +254,12 @@ def test_helm_secret_generated_or_existing() -> None:
         assert {v["name"]: v for v in volumes}["auth"]["secret"]["secretName"] == "team-planekv", name
 
 
-def test_helm_probes_ask_healthz() -> None:
+def test_helm_probes_ask_readyz_for_readiness_and_healthz_for_liveness() -> None:
     docs = render()
     for name in ("control", "store"):
         c = container(find(docs, "Deployment", f"kv-planekv-{name}"))
-        assert c["readinessProbe"]["httpGet"]["path"] == "/healthz", name
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", name
+    assert container(find(docs, "Deployment", "kv-planekv-store"))["livenessProbe"]["httpGet"]["path"] == "/healthz"
     worker = container(find(docs, "StatefulSet", "kv-planekv-worker"))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "http://127.0.0.1:8095/healthz" in worker[probe]["exec"]["command"], probe

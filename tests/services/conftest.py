@@ -62,12 +62,15 @@ class Proc:
             return ""
 
 
-def start_redis(workdir: Path) -> Proc:
-    port = free_port()
+def start_redis(workdir: Path, port: int | None = None, appendfsync: str = "everysec") -> Proc:
+    """A redis-server with the append-only file PlaneKV runs it with (planekv.orchestration.stack),
+    in ``workdir``; started again on the same ``workdir`` and ``port`` it reloads what it had."""
+    port = port or free_port()
     log = workdir / f"redis-{port}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", str(workdir)], stdout=out, stderr=subprocess.STDOUT)
+                                 "--appendonly", "yes", "--appendfsync", appendfsync, "--dir", str(workdir)],
+                                stdout=out, stderr=subprocess.STDOUT)
     p = Proc(proc, port, log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -118,6 +121,8 @@ def start_service(cmd: list[str], port: int, env: dict[str, str], log: Path, dat
 def start_store(data_dir: Path, redis_url: str | None, *args: str, port: int | None = None,
                 token: str | None = TOKEN, **env_extra: str) -> Proc:
     port = port or free_port()
+    # the block-protocol tests use throwaway format ids; test_version_safety runs with the default (true)
+    env_extra.setdefault("PLANEKV_STORE__REQUIRE_REGISTERED_FORMAT", "false")
     cmd = [sys.executable, "-m", "planekv.services.store", "--port", str(port), *args]
     if redis_url is None:
         cmd.append("--no-redis-index")

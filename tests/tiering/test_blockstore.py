@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -17,12 +18,14 @@ from planekv.tiering import (
     BlockKeyMismatch,
     BlockStore,
     BlockTooLarge,
+    BlockUndeletable,
     ChecksumMismatch,
     IndexPublishError,
     PosixFileTier,
     StoreFull,
     StoreIOError,
     encode_frame,
+    failpoints,
 )
 
 FID = "0123456789abcdef"
@@ -229,8 +232,9 @@ def test_listener_sees_commit_spill_and_eviction(tmp_path):
     s.put(key(1), frame(1))  # 0 spills
     s.put(key(2), frame(2))  # 1 must spill, so 0 is evicted from the file tier
     k0, k1, k2 = (str(key(i)) for i in range(3))
-    assert lst.events == [("rebuild", 0), ("commit", k0, (MEMORY,)), ("change", k0, (FILE,)), ("commit", k1, (MEMORY,)),
-                          ("remove", k0, "evicted"), ("change", k1, (FILE,)), ("commit", k2, (MEMORY,))]
+    # each new block is committed before its victims are evicted (a failed put evicts nothing)
+    assert lst.events == [("rebuild", 0), ("commit", k0, (MEMORY,)), ("commit", k1, (MEMORY,)), ("change", k0, (FILE,)),
+                          ("commit", k2, (MEMORY,)), ("remove", k0, "evicted"), ("change", k1, (FILE,))]
 
 
 def test_index_is_rebuilt_from_disk_at_restart(tmp_path):
@@ -302,7 +306,8 @@ def test_concurrent_puts_gets_and_removes_keep_the_books(tmp_path):
                 got = s.get(key((i + 3) % 12))
                 assert got is None or got == frame((i + 3) % 12)
                 if r % 5 == 0:
-                    s.remove(key((i + 1) % 12))
+                    with contextlib.suppress(BlockBusy):  # another remove of that key is in flight
+                        s.remove(key((i + 1) % 12))
         except BaseException as exc:
             errors.append(exc)
 
@@ -319,3 +324,115 @@ def test_concurrent_puts_gets_and_removes_keep_the_books(tmp_path):
     assert st.file_used_bytes == sum(i.size for i in infos if FILE in i.tiers) <= 6 * FRAME
     on_disk = {p.name for p in tmp_path.rglob("*.blk")}
     assert len(on_disk) == sum(FILE in i.tiers for i in infos)
+
+
+# ---- the commit and delete protocols under faults (failpoints: planekv.tiering.failpoints) ----
+
+
+def _full_write_through_store(root: Path, listener: object = None) -> BlockStore:
+    """Blocks 0 and 1 committed in a write-through store whose file tier is then full: a put of
+    block 2 must evict block 0 from the file tier to fit."""
+    s = BlockStore(memory_bytes=2 * FRAME, file_tier=PosixFileTier(root, fsync=False), file_bytes=2 * FRAME,
+                   write_through=True, listener=listener)
+    s.put(key(0), frame(0))
+    s.put(key(1), frame(1))
+    return s
+
+
+@pytest.mark.parametrize("fault", ["disk full", "after file write", "index unreachable", "after publish"])
+def test_a_failed_put_evicts_nothing(tmp_path, fault):
+    lst = _Listener()
+    s = _full_write_through_store(tmp_path, lst)
+    before, stats_before = files(tmp_path), s.stats()
+    events_before = len(lst.events)
+    point, action, error = {"disk full": ("file.write", "oserror:ENOSPC", StoreIOError),
+                            "after file write": ("put.after_file_write", "error", failpoints.FailpointError),
+                            "index unreachable": (None, None, IndexPublishError),
+                            "after publish": ("put.after_publish", "error", failpoints.FailpointError)}[fault]
+    lst.fail = point is None
+    with contextlib.ExitStack() as stack:
+        if point is not None:
+            stack.enter_context(failpoints.armed(point, action))
+        with pytest.raises(error):
+            s.put(key(2), frame(2))
+    lst.fail = False
+    # the acknowledged blocks are all still stored, served and listed; the failed one left no trace
+    assert sorted(s.keys()) == [key(0), key(1)] and s.get(key(0)) == frame(0) and s.get(key(1)) == frame(1)
+    assert files(tmp_path) == before
+    st = s.stats()
+    assert (st.memory_used_bytes, st.file_used_bytes) == (stats_before.memory_used_bytes, stats_before.file_used_bytes)
+    assert st.counters["evictions_file"] == 0 and st.counters["put_failures"] == 1
+    assert not [e for e in lst.events[events_before:] if e[0] == "remove" and e[1] != str(key(2))]
+    # with the fault gone the same put commits, and only then evicts the LRU block
+    s.put(key(2), frame(2))
+    kept = sorted(s.keys())
+    assert len(kept) == 2 and key(2) in kept and all(s.get(k) == frame(k.layer) for k in kept)
+    assert s.stats().counters["evictions_file"] == 1 and ("remove", "evicted") in [e[0::2] for e in lst.events]
+
+
+def test_a_put_killed_before_it_commits_leaves_its_victims(tmp_path):
+    """A crash between the reservation and the commit (simulated: the store object abandoned, then
+    reopened from its directory) loses no acknowledged block."""
+    s = _full_write_through_store(tmp_path)
+    with failpoints.armed("put.after_file_write", "error"), pytest.raises(failpoints.FailpointError):
+        s.put(key(2), frame(2))
+    s2 = BlockStore(memory_bytes=2 * FRAME, file_tier=PosixFileTier(tmp_path, fsync=False), file_bytes=2 * FRAME)
+    assert sorted(s2.keys()) == [key(0), key(1)] and s2.get(key(0)) == frame(0)
+
+
+class _ReadOnlyTier:
+    """Makes ``root``'s deletes fail: chmod where that stops writes, else (running as root) the
+    ``file.delete`` failpoint raising EROFS."""
+
+    def __init__(self, root: Path) -> None:
+        self.dirs = [p for p in root.rglob("*") if p.is_dir()]
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _ReadOnlyTier:
+        for d in self.dirs:
+            d.chmod(0o555)
+        probe = self.dirs[-1] / "probe"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            self.stack.enter_context(failpoints.armed("file.delete", "oserror:EROFS"))  # root: chmod is ignored
+        except PermissionError:
+            pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+        for d in self.dirs:
+            d.chmod(0o755)
+
+
+def test_a_delete_on_a_read_only_tier_is_refused_and_the_block_stays(tmp_path):
+    lst = _Listener()
+    s = _full_write_through_store(tmp_path, lst)
+    with _ReadOnlyTier(tmp_path), pytest.raises(BlockUndeletable, match="kept"):
+        s.remove(key(0))
+    assert s.get(key(0)) == frame(0) and s.stats().counters["delete_failures"] == 1
+    assert lst.events[-2:] == [("remove", str(key(0)), "deleted"), ("commit", str(key(0)), (MEMORY, FILE))]
+    s2 = BlockStore(memory_bytes=2 * FRAME, file_tier=PosixFileTier(tmp_path, fsync=False), file_bytes=2 * FRAME)
+    assert s2.get(key(0)) == frame(0)  # still there after a restart: the refusal told the truth
+    assert s.remove(key(0)) and s.get(key(0)) is None  # writable again: deleted everywhere
+    s3 = BlockStore(memory_bytes=2 * FRAME, file_tier=PosixFileTier(tmp_path, fsync=False), file_bytes=2 * FRAME)
+    assert sorted(s3.keys()) == [key(1)]
+
+
+@pytest.mark.parametrize("fault", ["index unreachable", "after index"])
+def test_a_delete_that_fails_part_way_keeps_the_block_listed(tmp_path, fault):
+    lst = _Listener()
+    s = _full_write_through_store(tmp_path, lst)
+    if fault == "index unreachable":
+        lst.on_remove = lambda info, gen, reason: (_ for _ in ()).throw(ConnectionError("redis down"))
+        with pytest.raises(IndexPublishError, match="nothing was deleted"):
+            s.remove(key(0))
+        assert lst.events[-1] == ("commit", str(key(1)), (MEMORY, FILE))  # nothing was unpublished
+    else:
+        with failpoints.armed("delete.after_index", "error"), pytest.raises(failpoints.FailpointError):
+            s.remove(key(0))
+        assert lst.events[-1] == ("commit", str(key(0)), (MEMORY, FILE))  # listed again
+    assert s.get(key(0)) == frame(0) and PosixFileTier(tmp_path).exists(key(0))
+    with pytest.raises(BlockExists):  # still the stored block: the key is not free
+        s.put(key(0), frame(0, fill=1))

@@ -8,7 +8,6 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from ...settings import Settings, load_settings
@@ -16,6 +15,7 @@ from ..arguments import add_control_arguments, control_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, run_uvicorn
 from ..docs_page import install_docs
 from ..exposure import check_exposure
+from ..redis_client import redis_async
 from . import routes_caches, routes_calibrations, routes_formats, routes_ops, routes_policies
 from .body_limit import BodyLimit
 from .context import ControlContext, calibration_dir
@@ -35,8 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        r = aioredis.Redis.from_url(settings.redis_url, decode_responses=True, socket_timeout=5,
-                                    socket_connect_timeout=3)
+        r = redis_async(settings.redis_url)
         try:
             await r.ping()
         except Exception as exc:

@@ -1,8 +1,9 @@
-"""Operations: ``/healthz`` and ``/metrics`` (no token: for probes and scrapers) and ``/v1/stats``
-(what is registered, the stores and the bytes per tier)."""
+"""Operations: ``/healthz`` (liveness), ``/readyz`` (readiness: Redis) and ``/metrics`` (no token:
+for probes and scrapers) and ``/v1/stats`` (what is registered, the stores and the bytes per tier)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -10,26 +11,41 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from .. import index as ix
-from ..common import METRICS_RESPONSES, error_responses, metrics_response
+from ..common import (
+    METRICS_RESPONSES,
+    READINESS_RESPONSES,
+    Readiness,
+    error_responses,
+    metrics_response,
+    readiness_response,
+)
 from ..request_body import FiniteJSONRoute
 from .context import Context, Metrics
 from .schemas import Health, Stats, TierTotals
 
 log = logging.getLogger(__name__)
 
+READY_TIMEOUT_S = 2.0  # a hung Redis makes /readyz answer 503 within this, not hang the probe
+
 probes = APIRouter(tags=["ops"], route_class=FiniteJSONRoute)  # included without the bearer token
 router = APIRouter(prefix="/v1", tags=["ops"], route_class=FiniteJSONRoute)
 
 
-@probes.get("/healthz", response_model=Health,
-            responses={503: {"model": Health, "description": "Redis unreachable"}})
-async def healthz(ctx: Context) -> Response:
+@probes.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    """Liveness: the process answers (Redis is not asked; /readyz does)."""
+    return Health(status="ok", redis="not checked (liveness only; see /readyz)")
+
+
+@probes.get("/readyz", response_model=Readiness, responses=READINESS_RESPONSES)
+async def readyz(ctx: Context) -> Response:
+    """Readiness: Redis answers a PING within READY_TIMEOUT_S; 503 names it otherwise."""
     try:
-        await ctx.redis.ping()
+        await asyncio.wait_for(ctx.redis.ping(), READY_TIMEOUT_S)
+        checks = {"redis": "ok"}
     except Exception as exc:
-        return Response(Health(status="degraded", redis=str(exc)).model_dump_json(), 503,
-                        media_type="application/json")
-    return Response(Health(status="ok", redis="ok").model_dump_json(), media_type="application/json")
+        checks = {"redis": f"unreachable: {type(exc).__name__}: {exc}"}
+    return readiness_response(checks)
 
 
 @probes.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)

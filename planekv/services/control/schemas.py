@@ -248,5 +248,5 @@ class Stats(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
+    status: Literal["ok"]
     redis: str

@@ -5,6 +5,8 @@ the spill directory) in the lifespan, the block routes behind the bearer token, 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +25,7 @@ from ..exposure import check_exposure
 from . import routes
 from .context import StoreContext
 from .metrics import StoreCollector
+from .reconcile import Reconciler
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ def build_store(settings: Settings) -> tuple[BlockStore, Any]:
 
         try:
             index = RedisBlockIndex.connect(settings.redis_url, store_id_of(settings), {
-                "url": cfg.url, "memory_bytes": cfg.memory_bytes, "file_bytes": cfg.file_bytes})
+                "url": cfg.url, "memory_bytes": cfg.memory_bytes, "file_bytes": cfg.file_bytes},
+                require_format=cfg.require_registered_format)
         except RedisError as exc:
             raise SystemExit(f"the store could not reach Redis at {settings.redis_url} ({exc}); start "
                              "redis-server, set PLANEKV_REDIS_URL, or run without the index: "
@@ -59,6 +63,15 @@ def build_store(settings: Settings) -> tuple[BlockStore, Any]:
     store = BlockStore(cfg.memory_bytes, file_tier, cfg.file_bytes, write_through=cfg.write_through,
                        max_block_bytes=cfg.max_block_bytes, listener=index)
     return store, index
+
+
+async def reconcile_every(reconciler: Reconciler, interval_s: float) -> None:
+    """Reconcile now (at start), then every ``interval_s`` seconds; a failure is logged and retried
+    at the next tick (readiness reports it until one succeeds)."""
+    while True:
+        with contextlib.suppress(Exception):  # logged and recorded by the reconciler
+            await asyncio.to_thread(reconciler.run_once)
+        await asyncio.sleep(interval_s)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -70,13 +83,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store, index = build_store(settings)
-        app.state.store = StoreContext(cfg, store_id, store)
-        registry.register(StoreCollector(store))
+        reconciler = Reconciler(store, index)
+        app.state.store = StoreContext(cfg, store_id, store, index, reconciler)
+        registry.register(StoreCollector(store, reconciler))
         log.info("store %s serving %d blocks (memory %d B, file tier %s, %d B)", store_id, len(store),
                  cfg.memory_bytes, spill_dir(settings) if cfg.file_bytes else "off", cfg.file_bytes)
+        task = asyncio.create_task(reconcile_every(reconciler, cfg.reconcile_interval_s))
         try:
             yield
         finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await run_in_threadpool(reconciler.close)  # a run still in its thread finishes first
             await run_in_threadpool(store.close)
             if index is not None:
                 try:

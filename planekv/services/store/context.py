@@ -8,13 +8,17 @@ OpenAPI schema). The Prometheus registry is on ``app.state.registry`` from the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
 from ...settings import StoreService
 from ...tiering import BlockStore
+from .reconcile import Reconciler
+
+if TYPE_CHECKING:
+    from ..index import RedisBlockIndex
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class StoreContext:
     config: StoreService  # settings.store
     store_id: str  # this store's name in the block index
     store: BlockStore
+    index: RedisBlockIndex | None  # the Redis block index it publishes to (None: disabled)
+    reconciler: Reconciler
 
 
 def store_context(request: Request) -> StoreContext:

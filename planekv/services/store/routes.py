@@ -1,9 +1,10 @@
-"""The store service's routes: ``/healthz`` and ``/metrics`` (no token), and under ``/v1`` the
-blocks (``PUT / GET / HEAD / DELETE /v1/blocks/{key}``, ``POST /v1/blocks:batch-get``, listing)
-and the store's stats."""
+"""The store service's routes: ``/healthz`` (liveness), ``/readyz`` (readiness) and ``/metrics``
+(no token), and under ``/v1`` the blocks (``PUT / GET / HEAD / DELETE /v1/blocks/{key}``,
+``POST /v1/blocks:batch-get``, listing), the store's stats and ``POST /v1/reconcile``."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Body, HTTPException, Query, Request
@@ -14,11 +15,31 @@ from starlette.responses import Response
 
 from ...tiering import MEMORY, BlockCorrupt, BlockKey, Lease
 from ...tiering.frame import KEY_PATTERN
-from ..common import METRICS_RESPONSES, error_response, error_responses, metrics_response, read_body
+from ..common import (
+    METRICS_RESPONSES,
+    READINESS_RESPONSES,
+    Readiness,
+    error_response,
+    error_responses,
+    metrics_response,
+    read_body,
+    readiness_response,
+)
 from ..request_body import FiniteJSONRoute
 from .context import Context, Registry, StoreContext
 from .frame_response import FrameResponse
-from .schemas import BatchGet, BlockList, BlockMeta, Health, PutAnswer, StoreStatsBody, TierUsage, block_meta
+from .readiness import readiness_checks
+from .schemas import (
+    BatchGet,
+    BlockList,
+    BlockMeta,
+    Health,
+    PutAnswer,
+    ReconcileAnswer,
+    StoreStatsBody,
+    TierUsage,
+    block_meta,
+)
 
 FRAME_MEDIA = "application/octet-stream"
 FRAMES_MEDIA = "application/x-planekv-frames"
@@ -43,7 +64,16 @@ def _json(model: BaseModel, status: int) -> Response:
 
 @probes.get("/healthz", response_model=Health)
 async def healthz(ctx: Context) -> Health:
+    """Liveness: the process answers (whatever its dependencies do; see /readyz)."""
     return Health(status="ok", store_id=ctx.store_id, blocks=len(ctx.store))
+
+
+@probes.get("/readyz", response_model=Readiness, responses=READINESS_RESPONSES)
+async def readyz(ctx: Context) -> Response:
+    """Readiness: Redis answers (if the index is on), the file tier is writable with free space
+    above min_free_bytes, a reconciliation has completed. 503 names the failing dependencies."""
+    return readiness_response(await run_in_threadpool(readiness_checks, ctx.config, ctx.store, ctx.index,
+                                                      ctx.reconciler))
 
 
 @probes.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
@@ -85,9 +115,12 @@ async def head_block(key: KeyParam, ctx: Context) -> Response:
                     media_type=FRAME_MEDIA)
 
 
-@router.delete("/blocks/{key}", status_code=204, response_class=Response, responses=error_responses(400, 404))
+@router.delete("/blocks/{key}", status_code=204, response_class=Response,
+               responses=error_responses(400, 404, 409, 503))
 async def delete_block(key: KeyParam, ctx: Context) -> Response:
-    """Unpublish and delete the block; reads already under way finish."""
+    """Delete the block: 204 only once it is gone from the index, the file tier and memory; reads
+    already under way finish. 503 if the index is unreachable or the file cannot be deleted (the
+    block is kept, still stored and listed); 409 while another DELETE of it is in flight."""
     k = parse_key(key)
     if not await run_in_threadpool(ctx.store.remove, k):
         raise HTTPException(404, f"block {k} is not stored")
@@ -140,6 +173,15 @@ async def list_blocks(ctx: Context, sequence_id: Annotated[str | None, Query(max
              and (format_id is None or i.key.format_id == format_id)]
     infos.sort(key=lambda i: i.key)
     return BlockList(blocks=[BlockMeta(**block_meta(i)) for i in infos[:limit]], truncated=len(infos) > limit)
+
+
+@router.post("/reconcile", response_model=ReconcileAnswer, tags=["ops"], responses=error_responses(503))
+async def reconcile(ctx: Context) -> ReconcileAnswer:
+    """Reconcile the block index with the tiers now (it also runs at start and every
+    reconcile_interval_s): entries of blocks this store lacks are removed, held blocks missing from
+    the index are republished, blocks whose file vanished are dropped."""
+    report = await run_in_threadpool(ctx.reconciler.run_once)
+    return ReconcileAnswer(**asdict(report))
 
 
 @router.get("/stats", response_model=StoreStatsBody, tags=["ops"])

@@ -56,3 +56,10 @@ class Health(BaseModel):
 def block_meta(info: BlockInfo) -> dict[str, Any]:
     """The fields of :class:`BlockMeta` for a stored block."""
     return {"key": str(info.key), "size": info.size, "checksum": f"{info.checksum:016x}", "tiers": list(info.tiers)}
+
+
+class ReconcileAnswer(BaseModel):
+    missing_files: int = Field(description="blocks dropped because their file vanished from the file tier")
+    index_removed: int = Field(description="index entries removed: blocks this store does not hold")
+    republished: int = Field(description="held blocks (re)written to the index")
+    at: float = Field(description="unix time the reconciliation finished")
