@@ -131,6 +131,7 @@ def test_suite_end_to_end(tiny_model_dir, tmp_path):
     assert {r["rate"]: r["k_share"] for r in flex} == {4.0: chosen["4"], 2.0: chosen["2"]}
 
 
+@pytest.mark.slow  # the whole suite twice: about 30 s
 def test_suite_resume_keeps_finished_work(tiny_model_dir, tmp_path, monkeypatch):
     """An interrupted suite continues with --resume: the split search and perplexity results of the
     earlier run are kept (not recomputed), journaled passkey trials too, and only the missing

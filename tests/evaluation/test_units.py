@@ -72,6 +72,7 @@ def test_perplexity_resume_runs_only_the_missing_windows(tiny_model_dir, calib_p
         perplexity.main([*args, "--window", "96", "--resume"])
 
 
+@pytest.mark.slow  # about 30 s; the perplexity resume test covers the journal in `make test`
 def test_passkey_resume_runs_only_the_missing_trials(tiny_model_dir, calib_path, tmp_path, monkeypatch):
     args = ["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(tmp_path),
             "--contexts", "200", "--trials", "3", "--systems", "dense", "readkv-constrained", "--rates", "2",

@@ -137,7 +137,7 @@ def test_int8_value_stage_is_chosen_for_linear_codebooks_on_the_gpu() -> None:
         ReaderConfig(value_int8="int4")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])  # 128: a minute in the interpreter
 def test_depth_sorted_value_list(d: int, monkeypatch) -> None:
     """``_value_order`` with SORT (what the int8 Value stage reads: each step of its list loops over its
     first entry's planes) lists every block's depth > 0 tokens once, deepest first and in position order
@@ -323,7 +323,8 @@ def _emulate_value_imma(reader: TritonReader, plan, v_pool: torch.Tensor, pt: to
                                     part[bi, h * g + q[lane], blk, ch[lane]] = float(val[lane])
     return part, top_max
 
-@pytest.mark.parametrize("d,hq,hk,pair", [(128, 8, 2, False), (64, 6, 2, False), (128, 8, 2, True)])
+@pytest.mark.parametrize("d,hq,hk,pair", [pytest.param(128, 8, 2, False, marks=pytest.mark.slow), (64, 6, 2, False),
+                                          pytest.param(128, 8, 2, True, marks=pytest.mark.slow)])
 def test_int8_value_stage_emulated(d: int, hq: int, hk: int, pair: bool, monkeypatch) -> None:
     """The int8 Value stage (GPU only: inline PTX), emulated lane by lane over the same step's depth-sorted
     list, logits and split statistics, writes the FMA Value stage's partial sums to float32 accuracy (each

@@ -16,7 +16,7 @@ from .test_reader import POLICIES, _setup, assert_same_depths
 
 
 @pytest.mark.parametrize("name", ["flexible-r2-k0.3", "constrained-r2", "explicit-budgets", "flexible-r2-head-weight"])
-@pytest.mark.parametrize("cap", [None, 2])
+@pytest.mark.parametrize("cap", [pytest.param(None, marks=pytest.mark.slow), 2])  # None: uncapped, the slowest
 def test_two_pass_equals_radix_select(name: str, cap: int | None) -> None:
     """cap=2: groups whose candidates overflow get lambda from the gated radix passes."""
     policy = POLICIES[name]
@@ -46,6 +46,7 @@ def test_two_pass_equals_radix_select(name: str, cap: int | None) -> None:
     assert ((o_t - ref).norm() / ref.norm()).item() < 1e-3
 
 
+@pytest.mark.slow  # about 25 s in the interpreter
 def test_gated_passes_striding_over_blocks_equal_one_program_per_block() -> None:
     """A gated radix pass runs ``gated_splits`` programs per (sequence, KV head), each striding over the
     blocks: with one program for all five blocks the fallen-back groups get the same depths and output

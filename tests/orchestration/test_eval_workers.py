@@ -79,6 +79,7 @@ def _perplexity_args(model, calib, out) -> list[str]:
             "--device", "cpu"]
 
 
+@pytest.mark.slow  # a Ray cluster and two model-loading workers: about a minute
 def test_perplexity_on_two_workers_equals_one_process(tiny_model_dir, calib_path, tmp_path):
     assert perplexity.main(_perplexity_args(tiny_model_dir, calib_path, tmp_path / "one")) == 0
     _run(PLANEKV, "eval", "perplexity", *_perplexity_args(tiny_model_dir, calib_path, tmp_path / "two"),
@@ -90,6 +91,7 @@ def test_perplexity_on_two_workers_equals_one_process(tiny_model_dir, calib_path
         sorted(_journaled_keys(tmp_path / "one" / "perplexity.units.jsonl"))
 
 
+@pytest.mark.slow  # a Ray cluster and two model-loading workers: about a minute
 def test_passkey_on_two_workers_equals_one_process(tiny_model_dir, calib_path, tmp_path):
     args = ["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--contexts", "256", "200", "--trials",
             "2", "--systems", "dense", "readkv-flexible", "--rates", "2", "--long-systems", "--device", "cpu"]
