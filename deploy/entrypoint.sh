@@ -4,7 +4,10 @@
 #   ray-head [ray start flags...]     a Ray head node: GCS on $RAY_GCS_PORT (6380), dashboard/jobs API on 8265
 #   worker [worker_host flags...]     joins the Ray cluster at $RAY_ADDRESS as a node with $PLANEKV_WORKER_GPUS
 #                                     GPUs, then runs planekv.orchestration.worker_host (its actor, /healthz, /metrics)
-#   anything else                     run as given (planekv control|store ..., redis-server ...)
+#   redis [redis-server flags...]     redis-server requiring the password in $PLANEKV_REDIS_PASSWORD_FILE: written
+#                                     into a config file of mode 0600 (never on a command line), the flags after it
+#   anything else                     run as given (planekv control|store ...; they read PLANEKV_REDIS_PASSWORD_FILE
+#                                     themselves)
 set -euo pipefail
 
 # Secrets come as files (compose secrets, Kubernetes Secret volumes), so they stay out of `docker inspect`.
@@ -23,6 +26,19 @@ fi
 node_ip() { echo "${RAY_NODE_IP:-$(hostname -i | awk '{print $1}')}"; }
 
 case "${1:-}" in
+redis)
+    shift
+    : "${PLANEKV_REDIS_PASSWORD_FILE:?set PLANEKV_REDIS_PASSWORD_FILE to the file holding the Redis password}"
+    [ -s "$PLANEKV_REDIS_PASSWORD_FILE" ] || {
+        echo "entrypoint: $PLANEKV_REDIS_PASSWORD_FILE is missing or empty" >&2; exit 1; }
+    password=$(<"$PLANEKV_REDIS_PASSWORD_FILE")
+    password=${password//\\/\\\\}  # redis.conf quoting: backslashes, then double quotes, escaped
+    password=${password//\"/\\\"}
+    conf=$(umask 077 && mktemp "${TMPDIR:-/tmp}/redis-XXXXXX.conf")
+    printf 'requirepass "%s"\n' "$password" >"$conf"
+    unset password
+    exec redis-server "$conf" "$@"
+    ;;
 ray-head)
     shift
     exec ray start --head --block --node-ip-address="$(node_ip)" --port="${RAY_GCS_PORT:-6380}" \

@@ -3,7 +3,7 @@
 #
 #   deploy/smoke-test.sh            # needs a Docker daemon and the image planekv:latest (or BUILD=1 to build it)
 #
-# Fresh tokens for this run only; every wait is bounded (WAIT_S, default 360). Volumes are removed afterwards
+# Fresh tokens and Redis password for this run only; every wait is bounded (WAIT_S, default 360). Volumes are removed afterwards
 # (KEEP=1 leaves the stack running instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,8 @@ files=(-f docker-compose.yml)
 [ "${GPU:-0}" = 1 ] || files+=(-f deploy/compose.cpu.yml)
 PLANEKV_API_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
 RAY_AUTH_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
-export PLANEKV_API_TOKEN RAY_AUTH_TOKEN
+PLANEKV_REDIS_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+export PLANEKV_API_TOKEN RAY_AUTH_TOKEN PLANEKV_REDIS_PASSWORD
 
 cleanup() { [ "${KEEP:-0}" = 1 ] || timeout 120 "${compose[@]}" "${files[@]}" down -v --remove-orphans; }
 trap cleanup EXIT
@@ -42,5 +43,9 @@ check "control /v1/stats with the token" 200 -H "Authorization: Bearer $PLANEKV_
 check "ray /api/version without the token" 401 http://127.0.0.1:8265/api/version
 check "ray /api/version with the token" 200 -H "Authorization: Bearer $RAY_AUTH_TOKEN" \
     http://127.0.0.1:8265/api/version
+# Redis inside the network: refused without the password (NOAUTH), answered with it
+noauth=$("${compose[@]}" "${files[@]}" exec -T redis redis-cli -p 6379 ping 2>&1 || true)
+echo "redis ping without the password: $noauth"
+case "$noauth" in *NOAUTH*) ;; *) echo "smoke test: redis answered without a password" >&2; exit 1 ;; esac
 echo "worker /healthz: $("${compose[@]}" "${files[@]}" exec -T worker curl -sS http://127.0.0.1:8095/healthz)"
 echo "smoke test passed"

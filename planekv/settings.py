@@ -57,7 +57,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PLANEKV_", env_nested_delimiter="__", extra="forbid")
 
     data_dir: Path = Field(default=Path("~/.planekv").expanduser(), description="artifacts, blocks, logs")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis of the metadata; may carry a "
+                           "password (redis://:PASSWORD@host...), else see redis_password_file; logged redacted")
+    redis_password_file: Path | None = Field(default=None, description="a file holding the password Redis "
+                                             "requires (its requirepass); read at start, never logged")
     control: ControlService = ControlService()
     store: StoreService = StoreService()
     ray_gcs_port: int = 6380  # Ray's usual 6379 is Redis's

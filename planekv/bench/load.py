@@ -2,10 +2,11 @@
 loopback (issue 32 item 7): throughput, p50 / p99 / max latency and errors per operation, wrong reads, the peak RSS
 of every service process and of Redis, and the store's tier usage against its capacities while eviction runs.
 
-Started here (unless ``--store-url`` and ``--control-url`` name running services): a redis-server with an
-append-only file (fsync every second), the control plane and the store (``python -m planekv.services.*``), each on
-a free loopback port, in a session of its own, with a random bearer token and a temporary data dir; all of them are
-stopped by pid (their process groups) when the run ends, whatever ends it.
+Started here (unless ``--store-url`` and ``--control-url`` name running services), through
+:mod:`planekv.services.launch` as `planekv up` starts them: a redis-server requiring a new random password (a 0600
+file in the run's temporary dir) with an append-only file (fsync every second), the control plane and the store
+(``python -m planekv.services.*``), each on a free loopback port, in a session of its own, with a random bearer
+token; all of them are stopped by pid (their process groups) when the run ends, whatever ends it.
 
 Each client is one asyncio task with its own connections and its own keys (sequence ``load-<run>-c<i>``), so it
 knows what the store must answer: a GET of a block it stored must return the exact frame it PUT (anything else is
@@ -27,8 +28,6 @@ import random
 import resource
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,17 @@ from typing import Any
 import httpx
 
 from ..kvstore import FormatSpec
+from ..services.launch import (
+    free_port,
+    http_ok,
+    new_secret_file,
+    redis_command,
+    redis_ping,
+    spawn,
+    stop_group,
+    wait_ready,
+)
+from ..services.redis_auth import read_password_file
 from ..tiering.frame import BlockKey, encode_frame
 
 OPS = ("put", "get", "delete", "formats_get", "policies_get", "policy_put")
@@ -49,7 +59,6 @@ DEFAULT_MIX = {"put": 30.0, "get": 45.0, "delete": 8.0, "formats_get": 7.0, "pol
 MiB = 1 << 20
 START_TIMEOUT_S = 60.0
 KEEPALIVE_EXPIRY_S = 2.0
-STOP_GRACE_S = 15.0
 # the geometry of the registered format: a block is `block_pages` pages x 8 planes of one KV head, so a page is
 # 8 planes x 64 tokens x head_dim/8 bytes = 8 KiB of payload
 N_LAYERS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE, WIDTH = 8, 2, 128, 64, 8
@@ -119,12 +128,6 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None  # set when this run started it
     log: Path | None = None
 
-    def tail(self) -> str:
-        try:
-            return self.log.read_text()[-2000:] if self.log else ""
-        except OSError:
-            return ""
-
 
 @dataclass
 class Endpoints:
@@ -134,91 +137,43 @@ class Endpoints:
     services: list[Service]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(name: str, cmd: list[str], env: dict[str, str], workdir: Path, url: str) -> Service:
-    log = workdir / f"{name}.log"
-    with open(log, "ab") as out:  # a session of its own: the terminal's Ctrl-C reaches only this process
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    return Service(name, url, proc.pid, proc, log)
-
-
-def _redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _wait_up(services: list[Service], ready: Callable[[Service], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    todo = list(services)
-    while todo:
-        for s in list(todo):
-            assert s.proc is not None
-            if s.proc.poll() is not None:
-                raise LoadError(f"{s.name} exited with {s.proc.returncode} while starting (log {s.log}):\n{s.tail()}")
-            if ready(s):
-                todo.remove(s)
-        if todo and time.monotonic() > deadline:
-            raise LoadError(f"not up within {timeout:.0f} s: {', '.join(s.name for s in todo)} (logs in "
-                            f"{todo[0].log.parent if todo[0].log else '?'})")
-        if todo:
-            time.sleep(0.1)
+    proc = spawn(cmd, env, workdir / f"{name}.log")
+    return Service(name, url, proc.pid, proc, workdir / f"{name}.log")
 
 
 def stop_service(s: Service) -> None:
-    """SIGTERM the process group this run started for ``s``, wait up to STOP_GRACE_S, then SIGKILL what is left
-    (Redis's AOF-rewrite child included). No-op for a targeted service."""
+    """Stop the process group this run started for ``s`` (SIGTERM, then SIGKILL; Redis's AOF-rewrite child
+    included) and reap it. No-op for a targeted service."""
     if s.proc is None:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(s.proc.pid, signal.SIGTERM)
-    try:
-        s.proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(s.proc.pid, signal.SIGKILL)
+    stop_group(s.proc.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         s.proc.wait(5.0)
 
 
 @contextlib.contextmanager
 def started_services(cfg: LoadConfig, workdir: Path, say: Callable[[str], None]) -> Iterator[Endpoints]:
-    """redis-server (AOF, fsync every second), the control plane and the store on free loopback ports with a
-    random token; yields their endpoints and stops every one of them by pid on the way out (store first)."""
+    """redis-server (a new password, AOF fsynced every second), the control plane and the store on free loopback
+    ports with a random token; yields their endpoints and stops every one of them by pid on the way out (store
+    first)."""
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         raise LoadError("redis-server is not on the PATH (Debian: apt install redis-server)")
     token = secrets.token_hex(16)
+    password_file = new_secret_file(workdir / "redis-password")  # workdir is mkdtemp's: 0700
+    password = read_password_file(password_file)
     services: list[Service] = []
     try:
-        rport = _free_port()
-        (workdir / "redis").mkdir()
-        services.append(_spawn("redis", [redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--dir",
-                                         str(workdir / "redis"), "--appendonly", "yes", "--appendfsync", "everysec",
-                                         "--save", "", "--protected-mode", "yes"],
+        rport = free_port()
+        services.append(_spawn("redis", redis_command(redis_server, rport, workdir / "redis", password_file),
                                dict(os.environ), workdir, f"redis://127.0.0.1:{rport}/0"))
-        _wait_up(services, lambda s: _redis_ping(rport), 10.0)
+        wait_ready(services, lambda s: redis_ping(rport, password), time.monotonic() + 10.0, LoadError)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PLANEKV_")}
         env.update(PLANEKV_DATA_DIR=str(workdir / "data"), PLANEKV_REDIS_URL=services[0].url,
-                   PLANEKV_API_TOKEN=token, PLANEKV_LOG_LEVEL="WARNING")
-        cport, sport = _free_port(), _free_port()
+                   PLANEKV_REDIS_PASSWORD_FILE=str(password_file), PLANEKV_API_TOKEN=token,
+                   PLANEKV_LOG_LEVEL="WARNING")
+        cport, sport = free_port(), free_port()
         web = [_spawn("control", [sys.executable, "-m", "planekv.services.control", "--port", str(cport)], env,
                       workdir, f"http://127.0.0.1:{cport}"),
                _spawn("store", [sys.executable, "-m", "planekv.services.store", "--port", str(sport),
@@ -227,7 +182,7 @@ def started_services(cfg: LoadConfig, workdir: Path, say: Callable[[str], None])
                                 *(["--write-through"] if cfg.write_through else [])], env, workdir,
                       f"http://127.0.0.1:{sport}")]
         services += web
-        _wait_up(web, lambda s: _healthy(s.url), START_TIMEOUT_S)
+        wait_ready(web, lambda s: http_ok(s.url), time.monotonic() + START_TIMEOUT_S, LoadError)
         say(f"started redis (pid {services[0].pid}), control (pid {web[0].pid}) and store (pid {web[1].pid}) "
             f"in {workdir}")
         yield Endpoints(web[1].url, web[0].url, token, services)

@@ -2,32 +2,30 @@
 
 Processes, each in a session of its own, logging to ``<data_dir>/stack/logs/<name>.log``:
 
-- **redis**: ``redis-server`` (append-only file in ``<data_dir>/stack/redis``, so the control plane's metadata
-  survives a restart of the stack);
-- **control** and **store**: ``planekv control`` / ``planekv store`` against that Redis;
+- **redis**: ``redis-server`` from a config file (planekv.services.launch): a password (``requirepass``, from
+  ``<data_dir>/stack/redis-password``, mode 0600, made once per data dir), an append-only file in
+  ``<data_dir>/stack/redis`` so the control plane's metadata survives a restart of the stack, loopback only;
+- **control** and **store**: ``planekv control`` / ``planekv store`` against that Redis (its URL and the password
+  file reach them by environment, ``PLANEKV_REDIS_URL`` and ``PLANEKV_REDIS_PASSWORD_FILE``, never by command
+  line);
 - **ray**: ``ray start --head --block`` (GCS on its own port, never Redis's; the jobs API on the dashboard port),
   loopback only, with Ray's token authentication on (the token in ``<data_dir>/stack/ray-token``, mode 0600);
 - **worker-<i>**: ``python -m planekv.orchestration.worker_host``, a Ray driver that owns one
   :class:`~planekv.orchestration.worker.PlaneWorker` actor (one per GPU; one CPU worker where there is none) and
   serves its ``/healthz`` and Prometheus ``/metrics``.
 
-``up`` writes ``<data_dir>/stack/stack.json`` (every pid, port and address) before it waits, so ``down`` stops
-exactly what ``up`` started, even an ``up`` that failed half-way; a second ``up`` while one runs refuses. Every
-wait is bounded.
+``up`` writes ``<data_dir>/stack/stack.json`` (mode 0600: every pid, port and address; no password) before it
+waits, so ``down`` stops exactly what ``up`` started, even an ``up`` that failed half-way; a second ``up`` while
+one runs refuses. Every wait is bounded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,12 +35,25 @@ from pathlib import Path
 from typing import Any
 
 from planekv.kvstore.atomic import atomic_write_bytes
+from planekv.services.launch import (
+    alive,
+    free_port,
+    http_ok,
+    new_secret_file,
+    port_busy,
+    redis_command,
+    redis_ping,
+    spawn,
+    stop_group,
+    wait_ready,
+)
+from planekv.services.redis_auth import RedisPasswordError, read_password_file, redact_url
 
 log = logging.getLogger(__name__)
 
 STATE = "stack.json"
 START_TIMEOUT_S = 120.0
-STOP_GRACE_S = 15.0
+REDIS_PASSWORD = "redis-password"
 
 
 class StackError(RuntimeError):
@@ -107,35 +118,6 @@ def ray_internal_port_args() -> list[str]:
     return [f"--{name}={free_port()}" for name in RAY_INTERNAL_PORTS]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_busy(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of this process is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def running(data_dir: Path) -> StackState | None:
     """The stack recorded under ``data_dir`` if any of its processes is alive."""
     path = stack_dir(data_dir) / STATE
@@ -147,31 +129,19 @@ def running(data_dir: Path) -> StackState | None:
 
 # ---- health probes ----
 
-def redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def http_ok(url: str, token: str | None = None, path: str = "/healthz") -> bool:
-    import httpx
-
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    try:
-        return httpx.get(url + path, headers=headers, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def probe(c: Component, state: StackState) -> bool:
     if c.name == "redis":
-        return redis_ping(c.port)
+        return redis_ping(c.port, _redis_password(state))
     if c.name == "ray":
         return http_ok(c.url, _ray_token(state), "/api/version")
     return http_ok(c.url)
+
+
+def _redis_password(state: StackState) -> str | None:
+    try:
+        return read_password_file(stack_dir(Path(state.data_dir)) / REDIS_PASSWORD)
+    except RedisPasswordError:
+        return None  # probed as unhealthy
 
 
 def _ray_token(state: StackState) -> str | None:
@@ -180,13 +150,6 @@ def _ray_token(state: StackState) -> str | None:
 
 
 # ---- up ----
-
-def _spawn(name: str, cmd: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
-    logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / f"{name}.log", "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
 
 def _planekv(*args: str) -> list[str]:
     return [sys.executable, "-m", "planekv.cli", *args]
@@ -229,15 +192,16 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
         raise StackError("the `ray` command is not installed: pip install 'planekv[cluster]'")
     sd.mkdir(parents=True, exist_ok=True)
     logs = sd / "logs"
-    token_path = sd / "ray-token"
-    if not token_path.exists():
-        token_path.write_text(secrets.token_hex(32))
-        token_path.chmod(0o600)
-    (sd / "redis").mkdir(exist_ok=True)
+    token_path = new_secret_file(sd / "ray-token")
+    password_file = new_secret_file(sd / REDIS_PASSWORD)
+    try:
+        redis_argv = redis_command(redis_server, ports.redis, sd / "redis", password_file)
+    except RedisPasswordError as exc:
+        raise StackError(f"{exc} (delete it and `planekv up` makes a new one)") from None
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("PLANEKV_", "RAY_AUTH"))}
     base_env.pop("TRITON_INTERPRET", None)
     redis_url = f"redis://127.0.0.1:{ports.redis}/0"
-    env = dict(base_env, PLANEKV_DATA_DIR=str(data_dir), PLANEKV_REDIS_URL=redis_url,
+    env = dict(base_env, PLANEKV_DATA_DIR=str(data_dir),
                PLANEKV_CONTROL__PORT=str(ports.control), PLANEKV_STORE__PORT=str(ports.store),
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path), RAY_USAGE_STATS_ENABLED="0",
                # single node: Ray keeps its node address on loopback (it would resolve 127.0.0.1 to a routable one)
@@ -245,19 +209,19 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if api_token:
         env["PLANEKV_API_TOKEN"] = api_token
+    # only the services talk to Redis: Ray and the workers never see its address or password file
+    service_env = dict(env, PLANEKV_REDIS_URL=redis_url, PLANEKV_REDIS_PASSWORD_FILE=str(password_file))
     state = StackState(str(data_dir), time.time(), wanted, api_token)
     state_path = sd / STATE
     t0 = time.monotonic()
 
-    def start(name: str, cmd: list[str], port: int, url: str) -> None:
-        proc = _spawn(name, cmd, env, logs)
+    def start(name: str, cmd: list[str], port: int, url: str, env: dict[str, str] = env) -> None:
+        proc = spawn(cmd, env, logs / f"{name}.log")
         state.components.append(Component(name, proc.pid, port, url, str(logs / f"{name}.log")))
         state.save(state_path)  # recorded before any wait: `down` finds it whatever happens next
 
     try:
-        start("redis", [redis_server, "--port", str(ports.redis), "--bind", "127.0.0.1", "--dir",
-                        str(sd / "redis"), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                        "--protected-mode", "yes"], ports.redis, redis_url)
+        start("redis", redis_argv, ports.redis, redis_url)
         start("ray", [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                       f"--port={ports.ray_gcs}", "--dashboard-host=127.0.0.1",
                       f"--dashboard-port={ports.ray_dashboard}", "--include-dashboard=true",
@@ -265,10 +229,10 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
                       "--disable-usage-stats", f"--temp-dir={ray_temp_dir(data_dir)}", *ray_internal_port_args()],
               ports.ray_gcs, f"http://127.0.0.1:{ports.ray_dashboard}")
         _wait(state, ["redis"], t0 + timeout, say)
-        start("control", _planekv("control", "--port", str(ports.control), "--redis-url", redis_url),
-              ports.control, f"http://127.0.0.1:{ports.control}")
-        start("store", _planekv("store", "--port", str(ports.store), "--redis-url", redis_url),
-              ports.store, f"http://127.0.0.1:{ports.store}")
+        start("control", _planekv("control", "--port", str(ports.control)), ports.control,
+              f"http://127.0.0.1:{ports.control}", service_env)
+        start("store", _planekv("store", "--port", str(ports.store)), ports.store,
+              f"http://127.0.0.1:{ports.store}", service_env)
         _wait(state, ["ray"], t0 + timeout, say)
         for i in range(n_workers):
             port = ports.worker_metrics + i
@@ -286,20 +250,8 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
 
 
 def _wait(state: StackState, names: list[str], deadline: float, say: Callable[[str], None]) -> None:
-    todo = [c for c in state.components if c.name in names]
-    while todo:
-        for c in list(todo):
-            if not alive(c.pid):
-                tail = Path(c.log).read_text()[-2000:] if Path(c.log).exists() else ""
-                raise StackError(f"{c.name} exited while starting (log {c.log}):\n{tail}")
-            if probe(c, state):
-                say(f"{c.name} healthy at {c.url}")
-                todo.remove(c)
-        if todo and time.monotonic() > deadline:
-            raise StackError(f"not healthy in time: {', '.join(c.name for c in todo)} (logs in "
-                             f"{Path(todo[0].log).parent})")
-        if todo:
-            time.sleep(0.2)
+    wait_ready([c for c in state.components if c.name in names], lambda c: probe(c, state), deadline, StackError,
+               lambda c: say(f"{c.name} healthy at {redact_url(c.url)}"))
 
 
 # ---- down and status ----
@@ -315,81 +267,18 @@ def down(data_dir: Path, say: Callable[[str], None] | None = None) -> list[str]:
     order = sorted(state.components, key=lambda c: (not c.name.startswith("worker"), c.name == "redis"))
     stopped = []
     for c in order:
-        if _stop_group(c.pid):
+        if stop_group(c.pid):
             stopped.append(c.name)
             say(f"stopped {c.name} (pid {c.pid})")
     path.unlink(missing_ok=True)
     return stopped
 
 
-def _stop_group(pid: int) -> bool:
-    """SIGTERM the process group ``pid`` leads, wait, SIGKILL what is left of it and of every descendant that
-    left the group (Ray starts its workers in groups of their own); True if it was running."""
-    was_alive = alive(pid)
-    family = descendants(pid)
-    _killpg(pid, signal.SIGTERM if was_alive else signal.SIGKILL)  # a dead leader's children may outlive it
-
-    def left() -> list[int]:
-        return ([pid] if alive(pid) else []) + group_members(pid) + [p for p in family if alive(p)]
-
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline and left():
-        time.sleep(0.1)
-    _killpg(pid, signal.SIGKILL)
-    for p in left():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and left():
-        time.sleep(0.05)
-    return was_alive
-
-
-def descendants(pid: int) -> list[int]:
-    """Live processes below ``pid`` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for p, fields in _proc_stats():
-        children.setdefault(int(fields[1]), []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _proc_stats() -> list[tuple[int, list[str]]]:
-    """(pid, the fields of /proc/<pid>/stat after the command name) of every live, non-zombie process."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().split(")")[-1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            out.append((int(d.name), fields))
-    return out
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    return [p for p, fields in _proc_stats() if int(fields[2]) == pgid]
-
-
 def status(data_dir: Path) -> list[dict[str, Any]]:
-    """Every recorded process: name, pid, address, alive, healthy."""
+    """Every recorded process: name, pid, address (a password in it redacted), alive, healthy."""
     path = stack_dir(Path(data_dir).expanduser()) / STATE
     if not path.exists():
         return []
     state = StackState.load(path)
-    return [{"name": c.name, "pid": c.pid, "url": c.url, "alive": alive(c.pid),
+    return [{"name": c.name, "pid": c.pid, "url": redact_url(c.url), "alive": alive(c.pid),
              "healthy": alive(c.pid) and probe(c, state), "log": c.log} for c in state.components]

@@ -24,12 +24,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from ..kvstore.errors import FormatMismatch
 from ..tiering.blockstore import BlockInfo
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +159,12 @@ class RedisBlockIndex:
         self._remove = client.register_script(_REMOVE)
 
     @classmethod
-    def connect(cls, url: str, store_id: str, info: dict[str, Any] | None = None,
+    def connect(cls, settings: Settings, store_id: str, info: dict[str, Any] | None = None,
                 require_format: bool = False) -> RedisBlockIndex:
+        """The index in the Redis of ``settings`` (redis_url, redis_password_file), checked with a PING."""
         from .redis_client import redis_sync
 
-        client = redis_sync(url)
+        client = redis_sync(settings)
         client.ping()
         return cls(client, store_id, info, require_format)
 

@@ -55,6 +55,26 @@ def test_a_small_load_runs_every_operation_reads_right_and_stops_what_it_started
     assert res["meta"]["cpus"] and res["meta"]["date"]
 
 
+def test_the_started_redis_requires_a_password_that_no_command_line_shows(tmp_path: Path) -> None:
+    import redis
+
+    from planekv.bench.load import started_services
+    from planekv.services.launch import descendants
+    from planekv.services.redis_auth import read_password_file
+
+    with started_services(LoadConfig(memory_bytes=1 << 20, file_bytes=1 << 20), tmp_path, lambda s: None) as ep:
+        password = read_password_file(tmp_path / "redis-password")
+        assert (tmp_path / "redis-password").stat().st_mode & 0o777 == 0o600
+        port = int(ep.services[0].url.rsplit(":", 1)[1].split("/")[0])
+        with redis.Redis(port=port) as r, pytest.raises(redis.AuthenticationError):  # NOAUTH
+            r.ping()
+        pids = {s.pid for s in ep.services if s.pid} | {d for s in ep.services if s.pid for d in descendants(s.pid)}
+        for pid in pids:
+            assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+        for log in tmp_path.glob("*.log"):
+            assert password not in log.read_text(), log
+
+
 def test_the_mix_and_the_bounds_are_checked() -> None:
     assert parse_mix("get=1, put=0")["get"] == 1.0
     with pytest.raises(ValueError, match="op=weight"):

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ def compose_binary() -> Path:
 def compose_config(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`docker compose config` of ``files``: the model Compose would run, interpolated and merged."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "PLANEKV_", "RAY_"))}
-    base.update(PLANEKV_API_TOKEN="test-api-token", RAY_AUTH_TOKEN="test-ray-token", **(env or {}))
+    base.update(PLANEKV_API_TOKEN="test-api-token", RAY_AUTH_TOKEN="test-ray-token",
+                PLANEKV_REDIS_PASSWORD="test-redis-password", **(env or {}))
     args = [str(compose_binary()), "--project-directory", str(ROOT), "--env-file", os.devnull]
     for f in files:
         args += ["-f", str(f)]
@@ -84,13 +86,72 @@ def test_compose_publishes_ports_on_loopback_only(compose) -> None:
 def test_compose_redis_keeps_an_append_only_file_on_a_named_volume(compose) -> None:
     redis = compose["services"]["redis"]
     cmd = redis["command"]
-    assert cmd[0] == "redis-server" and cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[0] == "redis" and cmd[cmd.index("--appendonly") + 1] == "yes"  # the entrypoint's redis role
     assert cmd[cmd.index("--dir") + 1] == "/data"
     [vol] = redis["volumes"]
     assert vol["type"] == "volume" and vol["target"] == "/data" and vol["source"] in compose["volumes"]
     assert "ports" not in redis and redis["expose"] == ["6379"]
-    for name in ("control", "store", "worker"):
+    for name in ("control", "store"):
         assert compose["services"][name]["environment"]["PLANEKV_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_compose_redis_requires_a_password_that_only_redis_control_and_store_get(compose) -> None:
+    assert compose["secrets"]["redis_password"]["environment"] == "PLANEKV_REDIS_PASSWORD"
+    services = compose["services"]
+    redis = services["redis"]
+    assert redis["command"][0] == "redis"  # the entrypoint writes requirepass from the file into a 0600 config
+    assert redis["environment"]["PLANEKV_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
+    health = " ".join(redis["healthcheck"]["test"])
+    assert "REDISCLI_AUTH=" in health and "PLANEKV_REDIS_PASSWORD_FILE" in health  # authenticates ...
+    assert not {"-a", "--pass", "--askpass"} & set(health.split())  # ... without the password in ps
+    for name, s in services.items():
+        gets_it = name in ("redis", "control", "store")
+        assert ("redis_password" in {x["source"] for x in s.get("secrets", [])}) == gets_it, name
+        env = s.get("environment") or {}
+        assert (env.get("PLANEKV_REDIS_PASSWORD_FILE") == "/run/secrets/redis_password") == gets_it, name
+        assert ("PLANEKV_REDIS_URL" in env) == (name in ("control", "store")), name  # the worker needs no Redis
+        assert "--redis-url" not in s["command"] and "requirepass" not in " ".join(s["command"]), name
+    assert "test-redis-password" not in json.dumps(services)
+
+
+def test_the_entrypoint_starts_redis_requiring_the_password_from_the_file(tmp_path: Path) -> None:
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        pytest.skip("redis-server is not installed")
+    import redis
+
+    from planekv.services.launch import free_port, stop_group
+
+    (tmp_path / "pw").write_text('a"b\\c d\n')  # quotes, a backslash and a space survive the config file
+    port = free_port()
+    env = dict(os.environ, PLANEKV_REDIS_PASSWORD_FILE=str(tmp_path / "pw"), TMPDIR=str(tmp_path))
+    with open(tmp_path / "log", "wb") as log:
+        proc = subprocess.Popen(["bash", str(DEPLOY / "entrypoint.sh"), "redis", "--port", str(port), "--bind",
+                                 "127.0.0.1", "--dir", str(tmp_path), "--save", "", "--appendonly", "yes"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with redis.Redis(port=port, password='a"b\\c d') as r:
+            for _ in range(100):
+                try:
+                    assert r.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.1)
+            else:
+                pytest.fail(f"redis did not start: {(tmp_path / 'log').read_text()}")
+        with redis.Redis(port=port) as r, pytest.raises(redis.AuthenticationError):
+            r.ping()
+        assert b"a\"b" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        [conf] = tmp_path.glob("redis-*.conf")
+        assert conf.stat().st_mode & 0o777 == 0o600
+    finally:
+        stop_group(proc.pid, grace_s=5.0)
+        proc.wait(5)
+
+    env["PLANEKV_REDIS_PASSWORD_FILE"] = str(tmp_path / "missing")
+    p = subprocess.run(["bash", str(DEPLOY / "entrypoint.sh"), "redis"], env=env, capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode != 0 and f"{tmp_path / 'missing'} is missing or empty" in p.stderr
 
 
 def test_compose_ray_head_gcs_inside_the_network_dashboard_on_loopback(compose) -> None:
@@ -138,7 +199,7 @@ def test_compose_tokens_are_secrets_not_environment(compose) -> None:
         assert "planekv_api_token" in {x["source"] for x in s["secrets"]}, name
         assert s["environment"]["PLANEKV_API_TOKEN_FILE"] == "/run/secrets/planekv_api_token"
     dumped = json.dumps(compose["services"])
-    assert "test-api-token" not in dumped and "test-ray-token" not in dumped
+    assert "test-api-token" not in dumped and "test-ray-token" not in dumped and "test-redis-password" not in dumped
 
 
 # ---- helm ----
@@ -252,6 +313,39 @@ def test_helm_secret_generated_or_existing() -> None:
                        ("Deployment", "kv-planekv-ray-head"), ("StatefulSet", "kv-planekv-worker")):
         volumes = find(docs, kind, name)["spec"]["template"]["spec"]["volumes"]
         assert {v["name"]: v for v in volumes}["auth"]["secret"]["secretName"] == "team-planekv", name
+
+
+def pod_spec(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return find(docs, kind, f"kv-planekv-{name}")["spec"]["template"]["spec"]
+
+
+def test_helm_redis_requires_the_password_from_the_secret_mounted_only_where_needed() -> None:
+    docs = render({"auth": {"redisPassword": "s3cret"}})
+    assert find(docs, "Secret", "kv-planekv-auth")["data"]["redis-password"] == "czNjcmV0"  # base64 of s3cret
+    assert len(find(render(), "Secret", "kv-planekv-auth")["data"]["redis-password"]) >= 48  # generated
+    path = "/run/secrets/planekv-redis/redis-password"
+    redis = container(find(docs, "StatefulSet", "kv-planekv-redis"))
+    assert redis["args"][0] == "redis"  # the entrypoint writes requirepass from the file into a 0600 config
+    assert {e["name"]: e.get("value") for e in redis["env"]}["PLANEKV_REDIS_PASSWORD_FILE"] == path
+    for probe in ("readinessProbe", "livenessProbe"):
+        cmd = " ".join(redis[probe]["exec"]["command"])
+        assert "REDISCLI_AUTH=" in cmd and "PLANEKV_REDIS_PASSWORD_FILE" in cmd and " -a " not in cmd, probe
+    for kind, name in (("StatefulSet", "redis"), ("Deployment", "control"), ("Deployment", "store"),
+                       ("Deployment", "ray-head"), ("StatefulSet", "worker")):
+        spec = pod_spec(docs, kind, name)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        c = container(find(docs, kind, f"kv-planekv-{name}"))
+        mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        needs = name in ("redis", "control", "store")
+        assert ("redis-auth" in volumes and mounts.get("redis-auth") == "/run/secrets/planekv-redis") == needs, name
+        if needs:
+            assert volumes["redis-auth"]["secret"]["items"] == [{"key": "redis-password", "path": "redis-password"}]
+            assert env["PLANEKV_REDIS_PASSWORD_FILE"] == path, name
+        if "auth" in volumes:  # the tokens' volume does not carry the Redis password
+            assert "redis-password" not in {i["key"] for i in volumes["auth"]["secret"]["items"]}, name
+        assert ("PLANEKV_REDIS_URL" in env) == (name in ("control", "store")), name
+        assert "--redis-url" not in c["args"] and "s3cret" not in json.dumps(c), name
 
 
 def test_helm_probes_ask_readyz_for_readiness_and_healthz_for_liveness() -> None:

@@ -1,10 +1,11 @@
 """`planekv up / status / down` on loopback: the whole stack as processes (redis, Ray head, control, store, one CPU
 PlaneWorker on the tiny model), a client that sends requests, a placement policy changed through the REST API and
-followed by the worker, and a `down` that leaves no process behind."""
+followed by the worker, Redis requiring a password that nothing shows, and a `down` that leaves no process behind."""
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ pytest.importorskip("transformers")
 
 from planekv.orchestration import stack  # noqa: E402
 from planekv.orchestration.stack import Ports, StackError, free_port  # noqa: E402
+from planekv.services.launch import alive, descendants  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LISTEN = "0A"
@@ -62,9 +64,52 @@ def test_up_starts_every_process_healthy_and_on_loopback_only(running_stack):
     rows = stack.status(data_dir)
     assert [r["name"] for r in rows] == ["redis", "ray", "control", "store", "worker-0"]
     assert all(r["alive"] and r["healthy"] for r in rows), rows
-    family = {c.pid for c in state.components} | {p for c in state.components for p in stack.descendants(c.pid)}
+    family = {c.pid for c in state.components} | {p for c in state.components for p in descendants(c.pid)}
     addrs = _listening(family)
     assert addrs and all(_loopback(a) for a in addrs), addrs
+
+
+def _family(state: stack.StackState) -> set[int]:
+    return {c.pid for c in state.components} | {p for c in state.components for p in descendants(c.pid)}
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # the process ended meanwhile
+        return b""
+
+
+def test_redis_requires_a_password_that_no_command_line_log_state_or_status_shows(running_stack, capsys):
+    import redis
+
+    from planekv.cli import main
+
+    data_dir, state = running_stack
+    sd = stack.stack_dir(data_dir)
+    password = (sd / "redis-password").read_text().strip()
+    for private in (sd / "redis-password", sd / "redis" / "redis.conf", sd / "stack.json"):
+        assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
+    port = next(c.port for c in state.components if c.name == "redis")
+    with redis.Redis(port=port) as r, pytest.raises(redis.AuthenticationError, match="(?i)auth"):  # NOAUTH
+        r.ping()
+    with redis.Redis(port=port, password=password) as r:
+        assert r.ping()
+    pids = _family(state)
+    for pid in pids:
+        cmdline = _read(f"/proc/{pid}/cmdline")
+        assert password.encode() not in cmdline and b"--redis-url" not in cmdline, cmdline
+        assert password.encode() not in _read(f"/proc/{pid}/environ"), pid
+    for c in state.components:  # only the services are told where Redis and its password file are
+        environ = _read(f"/proc/{c.pid}/environ")
+        assert (b"PLANEKV_REDIS_PASSWORD_FILE=" in environ) == (c.name in ("control", "store")), c.name
+    for log in (sd / "logs").glob("*.log"):
+        assert password not in log.read_text(errors="replace"), log
+    assert password not in (sd / "stack.json").read_text()
+    assert main(["status", "--data-dir", str(data_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "redis" in out and password not in out
 
 
 def test_a_second_up_refuses_while_one_runs(running_stack):
@@ -107,10 +152,10 @@ def test_down_stops_exactly_what_up_started_and_leaves_no_process(tmp_path, tiny
     ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
     state = stack.up(tmp_path, ports, workers=1, worker_args=["--model", str(tiny_model_dir), "--calib-tokens", "512"],
                      timeout=120)
-    family = {c.pid for c in state.components} | {p for c in state.components for p in stack.descendants(c.pid)}
+    family = {c.pid for c in state.components} | {p for c in state.components for p in descendants(c.pid)}
     assert len(family) > len(state.components)  # Ray's and the services' own children are counted too
     stopped = stack.down(tmp_path)
     assert sorted(stopped) == sorted(c.name for c in state.components)
-    assert not [p for p in family if stack.alive(p)]
+    assert not [p for p in family if alive(p)]
     assert stack.status(tmp_path) == [] and stack.running(tmp_path) is None
     assert stack.down(tmp_path) == []  # nothing recorded: nothing to do

@@ -1,14 +1,20 @@
 """Real processes on free loopback ports: a redis-server, the control plane and the store service
-(uvicorn), each started once per session, waited for with a bounded loop and stopped by pid."""
+(uvicorn), each started once per session, waited for with a bounded loop and stopped by pid.
+
+Every Redis here is started as PlaneKV's launchers start it (planekv.services.launch: a config file with
+``requirepass``), with one password per test session in a 0600 file; the services get that file
+(``PLANEKV_REDIS_PASSWORD_FILE``), and tests that talk to Redis themselves use :func:`redis_client`."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,9 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from planekv.services.launch import free_port, new_secret_file, redis_command, redis_ping, spawn
+from planekv.services.redis_auth import read_password_file
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-pytest.importorskip("redis")
+redis = pytest.importorskip("redis")
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TOKEN = "test-token-0123"
@@ -28,10 +37,17 @@ if not os.path.exists(REDIS_SERVER):
     pytest.skip("redis-server is not installed", allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@functools.cache
+def redis_password_file() -> Path:
+    """The file holding the password every Redis of this session requires (mode 0600, removed at exit)."""
+    d = Path(tempfile.mkdtemp(prefix="planekv-test-secrets-"))
+    atexit.register(shutil.rmtree, d, True)
+    return new_secret_file(d / "redis-password")
+
+
+def redis_client(redis_url: str) -> redis.Redis:
+    """A client of a Redis these fixtures started, authenticated with the session's password."""
+    return redis.Redis.from_url(redis_url, password=read_password_file(redis_password_file()), decode_responses=True)
 
 
 @dataclass
@@ -63,26 +79,21 @@ class Proc:
 
 
 def start_redis(workdir: Path, port: int | None = None, appendfsync: str = "everysec") -> Proc:
-    """A redis-server with the append-only file PlaneKV runs it with (planekv.orchestration.stack),
-    in ``workdir``; started again on the same ``workdir`` and ``port`` it reloads what it had."""
+    """A redis-server started as PlaneKV's launchers start it (planekv.services.launch: the session's password,
+    an append-only file) in ``workdir``; started again on the same ``workdir`` and ``port`` it reloads what it
+    had."""
     port = port or free_port()
     log = workdir / f"redis-{port}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "yes", "--appendfsync", appendfsync, "--dir", str(workdir)],
-                                stdout=out, stderr=subprocess.STDOUT)
+    proc = spawn(redis_command(REDIS_SERVER, port, workdir, redis_password_file(), appendfsync), dict(os.environ),
+                 log)
     p = Proc(proc, port, log)
+    password = read_password_file(redis_password_file())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited: {p.tail()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return p
-        except OSError:
-            pass
+        if redis_ping(port, password, timeout=0.5):
+            return p
         time.sleep(0.05)
     p.stop(signal.SIGKILL)
     raise TimeoutError(f"redis-server did not answer PING on {port}")
@@ -93,6 +104,7 @@ def service_env(redis_url: str | None, data_dir: Path, token: str | None = TOKEN
     env.update({"PLANEKV_DATA_DIR": str(data_dir), "PLANEKV_LOG_LEVEL": "WARNING"})
     if redis_url:
         env["PLANEKV_REDIS_URL"] = redis_url
+        env["PLANEKV_REDIS_PASSWORD_FILE"] = str(redis_password_file())
     if token:
         env["PLANEKV_API_TOKEN"] = token
     env.update(extra)

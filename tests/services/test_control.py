@@ -11,7 +11,7 @@ import torch
 
 from planekv.kvstore import Calibration, FormatSpec, calibrate
 
-from .conftest import TOKEN, Proc, client
+from .conftest import TOKEN, Proc, client, redis_client
 
 
 def make_calibration(seed: int, layers: int = 2, heads: int = 2, d: int = 64, **meta: object) -> Calibration:
@@ -85,8 +85,6 @@ def test_bad_calibration_uploads_are_400_with_a_reason(ctl):
 def test_the_artifact_route_serves_only_files_in_the_calibration_directory(ctl, control: Proc, redis_url, where):
     import hashlib
 
-    import redis
-
     from planekv.services import index as ix
 
     calib = make_calibration(30 + len(where))
@@ -95,7 +93,7 @@ def test_the_artifact_route_serves_only_files_in_the_calibration_directory(ctl, 
     secret = control.data_dir / "outside.bin"  # next to data_dir/control/calibrations, not in it
     secret.write_bytes(b"not for clients")
     key = ix.k_calibration(calib.calibration_id)
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis_client(redis_url) as r:
         honest = r.hgetall(key)
         # the worst case: the record names the file and carries its sha256, so the checksum would pass
         r.hset(key, mapping={"file": where.format(outside=secret),

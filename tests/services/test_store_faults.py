@@ -11,11 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from planekv.tiering import BlockKey
 
-from .conftest import Proc, client, start_store
+from .conftest import Proc, client, redis_client, start_store
 from .test_store_lifecycle import blocks
 
 FRAME = 4096 + 303104  # the frame of a 300 000-byte payload (test_store_lifecycle.blocks)
@@ -34,7 +33,7 @@ def listed(c: httpx.Client, seq: str) -> set[str]:
 
 def indexed(redis_url: str, seq: str, store_id: str) -> set[str]:
     """The block keys the Redis index says this store holds for ``seq``."""
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = redis_client(redis_url)
     try:
         return {f.rsplit("@", 1)[0] for f in r.hkeys(f"pkv:blocks:{seq}") if f.endswith(f"@{store_id}")}
     finally:

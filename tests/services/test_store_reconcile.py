@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import uuid
 
-import redis
-
 from planekv.services.index import RedisBlockIndex
 from planekv.tiering import BlockInfo, BlockKey, encode_frame, verify_frame
 
-from .conftest import Proc
+from .conftest import Proc, redis_client
 
 
 def a_block(payload: int = 5000) -> tuple[BlockKey, bytes]:
@@ -23,7 +21,7 @@ def a_block(payload: int = 5000) -> tuple[BlockKey, bytes]:
 def publish_without_storing(redis_url: str, store_id: str, k: BlockKey, frame: bytes) -> None:
     """What a PUT during a hung Redis, or a store killed -9 in write-back mode, can leave: the index
     entry of a block the store does not hold (here written straight to Redis)."""
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = redis_client(redis_url)
     try:
         info = BlockInfo(k, len(frame), verify_frame(frame, k).checksum, ("memory",))
         RedisBlockIndex(r, store_id).on_commit(info, uuid.uuid4().hex)
@@ -76,7 +74,7 @@ def test_a_held_block_missing_from_the_index_is_republished(st, redis_url):
     k, f = a_block()
     assert st.put(f"/v1/blocks/{k}", content=f).status_code == 201
     store_id = st.get("/v1/stats").json()["store_id"]
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = redis_client(redis_url)
     try:
         assert r.hdel(f"pkv:blocks:{k.sequence_id}", f"{k}@{store_id}") == 1  # lost behind the store's back
         assert st.post("/v1/reconcile").json()["republished"] >= 1

@@ -34,14 +34,20 @@ app.kubernetes.io/component: {{ index . 1 }}
 redis://{{ include "planekv.fullname" . }}-redis:6379/0
 {{- end -}}
 
-{{/* the environment every PlaneKV process gets: Redis, the data dir, the bearer token as a file */}}
+{{/* the environment every PlaneKV process gets: the data dir, the bearer token as a file */}}
 {{- define "planekv.env" -}}
-- name: PLANEKV_REDIS_URL
-  value: {{ include "planekv.redisUrl" . | quote }}
 - name: PLANEKV_DATA_DIR
   value: /data
 - name: PLANEKV_API_TOKEN_FILE
   value: /run/secrets/planekv/{{ .Values.auth.apiTokenKey }}
+{{- end -}}
+
+{{/* what the processes that talk to Redis (control, store) add: its address and the file holding its password */}}
+{{- define "planekv.redisEnv" -}}
+- name: PLANEKV_REDIS_URL
+  value: {{ include "planekv.redisUrl" . | quote }}
+- name: PLANEKV_REDIS_PASSWORD_FILE
+  value: /run/secrets/planekv-redis/{{ .Values.auth.redisPasswordKey }}
 {{- end -}}
 
 {{- define "planekv.rayEnv" -}}
@@ -57,11 +63,25 @@ redis://{{ include "planekv.fullname" . }}-redis:6379/0
       fieldPath: status.podIP
 {{- end -}}
 
+{{/* the two tokens, mounted at /run/secrets/planekv (not the Redis password: only its users mount that) */}}
 {{- define "planekv.secretVolume" -}}
 - name: auth
   secret:
     secretName: {{ include "planekv.secretName" . }}
     defaultMode: 0440
+    items:
+      - {key: {{ .Values.auth.apiTokenKey }}, path: {{ .Values.auth.apiTokenKey }}}
+      - {key: {{ .Values.auth.rayTokenKey }}, path: {{ .Values.auth.rayTokenKey }}}
+{{- end -}}
+
+{{/* the Redis password alone, mounted at /run/secrets/planekv-redis in redis, control and store */}}
+{{- define "planekv.redisSecretVolume" -}}
+- name: redis-auth
+  secret:
+    secretName: {{ include "planekv.secretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: {{ .Values.auth.redisPasswordKey }}, path: {{ .Values.auth.redisPasswordKey }}}
 {{- end -}}
 
 {{- define "planekv.podSpecCommon" -}}

@@ -15,7 +15,7 @@ from ..arguments import add_control_arguments, control_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, run_uvicorn
 from ..docs_page import install_docs
 from ..exposure import check_exposure
-from ..redis_client import redis_async
+from ..redis_client import check_redis, redact_url, redis_async
 from . import routes_caches, routes_calibrations, routes_formats, routes_ops, routes_policies
 from .body_limit import BodyLimit
 from .context import ControlContext, calibration_dir
@@ -35,16 +35,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        r = redis_async(settings.redis_url)
+        r = redis_async(settings)
         try:
             await r.ping()
         except Exception as exc:
             await r.aclose()
-            raise SystemExit(f"the control plane could not reach Redis at {settings.redis_url} ({exc}); start "
-                             "redis-server or set PLANEKV_REDIS_URL") from None
+            raise SystemExit(f"the control plane could not reach Redis at {redact_url(settings.redis_url)} ({exc}); "
+                             "start redis-server or set PLANEKV_REDIS_URL") from None
         app.state.control = ControlContext(settings, r, ControlScripts.register(r), calib_dir)
         calib_dir.mkdir(parents=True, exist_ok=True)
-        log.info("control plane up: redis %s, calibration artifacts in %s", settings.redis_url, calib_dir)
+        log.info("control plane up: redis %s, calibration artifacts in %s", redact_url(settings.redis_url),
+                 calib_dir)
         try:
             yield
         finally:
@@ -72,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = control_settings(args)
     logging.getLogger().setLevel(settings.log_level)
     check_exposure("control plane", settings.control.host, settings)
+    check_redis("control plane", settings)  # a bad password file or no Redis: one line, before uvicorn starts
     run_uvicorn(create_app(settings), settings.control.host, settings.control.port, settings.log_level,
                 args.access_log)
     return 0

@@ -22,6 +22,7 @@ from ..arguments import add_store_arguments, store_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, new_registry, run_uvicorn
 from ..docs_page import install_docs
 from ..exposure import check_exposure
+from ..redis_client import check_redis, redact_url
 from . import routes
 from .context import StoreContext
 from .metrics import StoreCollector
@@ -52,11 +53,11 @@ def build_store(settings: Settings) -> tuple[BlockStore, Any]:
         from ..index import RedisBlockIndex
 
         try:
-            index = RedisBlockIndex.connect(settings.redis_url, store_id_of(settings), {
+            index = RedisBlockIndex.connect(settings, store_id_of(settings), {
                 "url": cfg.url, "memory_bytes": cfg.memory_bytes, "file_bytes": cfg.file_bytes},
                 require_format=cfg.require_registered_format)
         except RedisError as exc:
-            raise SystemExit(f"the store could not reach Redis at {settings.redis_url} ({exc}); start "
+            raise SystemExit(f"the store could not reach Redis at {redact_url(settings.redis_url)} ({exc}); start "
                              "redis-server, set PLANEKV_REDIS_URL, or run without the index: "
                              "PLANEKV_STORE__REDIS_INDEX=false") from None
     file_tier = PosixFileTier(spill_dir(settings), fsync=cfg.fsync) if cfg.file_bytes > 0 else None
@@ -121,6 +122,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = store_settings(args)
     logging.getLogger().setLevel(settings.log_level)
     check_exposure("store service", settings.store.host, settings)
+    if settings.store.redis_index:
+        check_redis("store service", settings)  # a bad password file or no Redis: one line, before uvicorn starts
     run_uvicorn(create_app(settings), settings.store.host, settings.store.port, settings.log_level, args.access_log)
     return 0
 
