@@ -68,11 +68,12 @@ def _bench_tiering(args: argparse.Namespace) -> int:
         data = load_data(real=real, n_tokens=args.tokens, n_steps=args.steps, n_layers=args.layers)
         say(f"decode steps: {data.source}")
         rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
-                           prefetch=not args.no_prefetch, reader=args.reader, progress=say)
+                           prefetch=not args.no_prefetch, reader=args.reader, progress=say,
+                           key_page_mib=args.key_page_mib)
     for shape in args.timing or []:
         rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
                            promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
-                           progress=say)
+                           progress=say, key_page_mib=args.key_page_mib)
     console.print(format_table(rows))
     if args.json:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -185,6 +186,9 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
                    help="hot planes h (K and V alike)")
     t.add_argument("--promotion-mib", type=float, default=64.0, help="promotion cache, MiB (per model; per layer "
                                                                      "in --timing)")
+    t.add_argument("--key-page-mib", type=float, default=0.0,
+                   help="Key page slots for Key refinement, MiB (per model; per layer in --timing; beside the "
+                        "promotion cache; 0: refined tokens of sealed pages read at their channels' resident depth)")
     t.add_argument("--no-prefetch", action="store_true", help="no prefetch (only the pages kept at sealing)")
     t.add_argument("--reader", choices=("reference", "triton"), default="reference",
                    help="the tiered read of the decode steps (Key refinement always runs the reference)")

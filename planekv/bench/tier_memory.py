@@ -23,7 +23,7 @@ import torch
 
 from ..kernels import TritonReader
 from ..kvstore import Codec, FormatSpec, ReadPolicy
-from ..tiering.tiered_cache import promotion_slots
+from ..tiering.tiered_cache import key_page_slots, promotion_slots
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,11 @@ def workspace_bytes_per_sequence(codec: Codec, policy: ReadPolicy, tokens: int) 
 
 def gpu_bytes(system: str, g: FormatSpec, tokens: int, hot: tuple[int, int] | None = None,
               promotion_bytes: int = 0, k_promotion_share: float = 0.5,
-              workspace_per_sequence: float = 0.0) -> GpuBytes:
+              workspace_per_sequence: float = 0.0, key_page_bytes: int = 0) -> GpuBytes:
     """Device bytes of ``system`` ("sdpa", "fp8", "readkv" or "tiered", with ``hot`` = (h_K, h_V)) for sequences
     of ``tokens`` tokens in a model of ``g.n_layers`` layers (a tiered cache made for ``tokens`` tokens, its
-    promotion cache of ``promotion_bytes`` split as TieredCache splits it)."""
+    promotion cache of ``promotion_bytes`` split as TieredCache splits it, its Key page slots of
+    ``key_page_bytes``)."""
     scalars = g.n_layers * 2 * g.n_kv_heads * tokens * g.head_dim  # K and V, every layer, one sequence
     if system == "sdpa":
         return GpuBytes(2.0 * scalars, 0.0)
@@ -71,6 +72,7 @@ def gpu_bytes(system: str, g: FormatSpec, tokens: int, hot: tuple[int, int] | No
     open_pages = g.n_layers * g.n_kv_heads * (2 * g.width - hk - hv) * plane_bytes
     n_k, n_v = promotion_slots(g, tokens, hk, hv, promotion_bytes // g.n_layers, k_promotion_share)
     promo = g.n_layers * (n_k * slots * g.page_size / 8 + n_v * (g.width - hv) * plane_bytes)
+    promo += g.n_layers * key_page_slots(g, hk, key_page_bytes // g.n_layers) * (g.width - hk) * plane_bytes
     return GpuBytes(pool + open_pages + workspace_per_sequence, promo)
 
 

@@ -78,7 +78,8 @@ class TierRow:
     max_batch: int | None = None  # sequences of this length in the GPU KV budget
     cap_rate: float | None = None  # share of the bits asked for that was capped
     hit_rate: float | None = None  # share of the bits asked for past the hot planes that was resident
-    fetched_per_step: float | None = None  # Key channel-planes + Value pages brought per step and layer
+    kr_hit_rate: float | None = None  # share of the tokens Key refinement chose that were read at depth W
+    fetched_per_step: float | None = None  # Key channel-planes + Value pages + Key pages brought per step and layer
     fetched_mib_per_step: float | None = None
     used_share: float | None = None  # fetched items the next step read past the hot planes
     rel_err: float | None = None  # attention output vs exact attention
@@ -90,10 +91,10 @@ class TierRow:
 
 def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion_mib: float = 64.0,
                warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
-               progress: Callable[[str], None] | None = None) -> list[TierRow]:
+               progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0) -> list[TierRow]:
     """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
-    before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages; refused with Key
-    refinement, which falls back to the reference)."""
+    before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages). ``key_page_mib``:
+    the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache)."""
     codec = data.codec
     n_steps = data.layers[0].q.shape[1]
     if not 0 <= warmup < n_steps:
@@ -105,7 +106,7 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
         policy = policy_named(name, k_share)
         all_gpu = _all_gpu_error(data, enc, policy, warmup)
         for hot in hots:
-            row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader)
+            row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib)
             row.rel_err_all_gpu = all_gpu
             rows.append(row)
             say(f"{row.system}: caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, hit rate "
@@ -128,12 +129,12 @@ def _all_gpu_error(data: DecodeData, enc: dict, policy: ReadPolicy, warmup: int)
 
 
 def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
-                warmup: int, prefetch: bool, reader: str) -> TierRow:
+                warmup: int, prefetch: bool, reader: str, key_page_mib: float = 0.0) -> TierRow:
     codec, spec = data.codec, data.codec.spec
     lengths = data.layers[0].lengths
     t_last = int(lengths.max())
     cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last,
-                        promotion_bytes=int(promotion_mib * MiB))
+                        promotion_bytes=int(promotion_mib * MiB), key_page_bytes=int(key_page_mib * MiB))
     read, used = _reader_for(codec, policy, reader)
     for li in data.layers:
         kc, vc = enc[li.layer]
@@ -159,22 +160,24 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
     sm = tally.summary()
     page_v = (spec.width - hot) * spec.page_size * spec.head_dim / 8
     vec_k = math.ceil(t_last / spec.page_size) * spec.page_size / 8
-    fetched_bytes = sm["fetched_k"] * vec_k + sm["fetched_v"] * page_v
+    page_k = (spec.width - hot) * spec.page_size * spec.head_dim / 8
+    fetched_bytes = sm["fetched_k"] * vec_k + sm["fetched_v"] * page_v + sm["fetched_kp"] * page_k
     layers_steps = max(1, sm["steps"])
     return TierRow(
         source=data.source, system=f"tiered-h{hot}-{name}", reader=used, cap_rate=sm["cap_rate"],
-        hit_rate=sm["hit_rate"], fetched_per_step=sm["fetched"] / layers_steps,
+        hit_rate=sm["hit_rate"], kr_hit_rate=sm["kr_hit_rate"] if policy.key_refine else None,
+        fetched_per_step=sm["fetched"] / layers_steps,
         fetched_mib_per_step=fetched_bytes / layers_steps / MiB,
         used_share=sm["fetched_used"] / sm["fetched"] if sm["fetched"] else None,
         rel_err=math.sqrt(num / den) if den else None, host_gib=cache.bytes().host / GiB,
         promoted_mib=cache.promoted_bytes() / MiB,
         extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": prefetch,
-               "promotion_mib": promotion_mib, "tally": sm})
+               "promotion_mib": promotion_mib, "key_page_mib": key_page_mib, "tally": sm})
 
 
 def _reader_for(codec: Any, policy: ReadPolicy, reader: str) -> tuple[Any, str]:
-    """The read function for ``tiered_decode_step`` and the reader's name (Key refinement: the reference)."""
-    if reader == "reference" or policy.key_refine:
+    """The read function for ``tiered_decode_step`` and the reader's name."""
+    if reader == "reference":
         return None, "reference"
     if reader != "triton":
         raise ValueError(f"reader must be 'reference' or 'triton', got {reader!r}")
@@ -186,10 +189,11 @@ def _reader_for(codec: Any, policy: ReadPolicy, reader: str) -> tuple[Any, str]:
 
 def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: int = 30, warm: int = 4,
                promotion_mib: float = 256.0, layers: int = 32, budget_gib: float = 40.0, seed: int = 0,
-               k_share: float | None = None, progress: Callable[[str], None] | None = None) -> list[TierRow]:
+               k_share: float | None = None, progress: Callable[[str], None] | None = None,
+               key_page_mib: float = 0.0) -> list[TierRow]:
     """SDPA, FP8, the all-GPU reader (default stages and FMA stages) and the tiered read at each hot depth, timed in
     one run on ``shape``; GPU bytes for a model of ``layers`` such layers and the largest batch ``budget_gib``
-    holds. Key refinement policies are not timed tiered (the Triton tiered read does not run them yet)."""
+    holds. ``key_page_mib``: the tiered cache's Key page slots (per layer, as ``promotion_mib``)."""
     if not torch.cuda.is_available() and not interpreting():
         raise RuntimeError("step times need a CUDA device (or TRITON_INTERPRET=1 for a plumbing run on CPU)")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -229,12 +233,8 @@ def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: i
                                                                              workspace_per_sequence=ws))
         for hot in hots:
             mem = gpu_bytes("tiered", model, t, (hot, hot), int(promotion_mib * MiB * layers),
-                            workspace_per_sequence=ws)
-            if policy.key_refine:
-                add(TierRow(shp.name, f"tiered-h{hot}-{pname}", "-", extra={"note": "the Triton tiered read runs "
-                                                                          "no Key refinement yet"}), mem)
-                continue
-            row = _time_tiered(shp.name, s, codec, policy, hot, pname, promotion_mib, warm, reps, seed)
+                            workspace_per_sequence=ws, key_page_bytes=int(key_page_mib * MiB * layers))
+            row = _time_tiered(shp.name, s, codec, policy, hot, pname, promotion_mib, warm, reps, seed, key_page_mib)
             row.x_sdpa, row.x_all_gpu = row.step_ms / sdpa_ms, row.step_ms / all_ms["-fma"]
             add(row, mem)
             off = _time_offload(s, codec, policy, hot, reps)
@@ -259,18 +259,19 @@ def _time_reader(reader: TritonReader, s: StepData, reps: int) -> float:
     return ms
 
 
-def _tiered_from(s: StepData, codec: Any, hot: int, promotion_mib: float) -> TieredCache:
+def _tiered_from(s: StepData, codec: Any, hot: int, promotion_mib: float, key_page_mib: float = 0.0) -> TieredCache:
     b, t = s.q.shape[0], int(s.lengths.max())
     cache = TieredCache(codec.spec, b, placement(hot, codec.spec.format_id), max_tokens=t, device=s.q.device,
-                        promotion_bytes=int(promotion_mib * MiB), host_bytes=64 * GiB)
+                        promotion_bytes=int(promotion_mib * MiB), host_bytes=64 * GiB,
+                        key_page_bytes=int(key_page_mib * MiB))
     for i in range(b):
         cache.append(0, s.cache.read_k(0, i, codec.spec.width), s.cache.read_v(0, i, codec.spec.width), seq=i)
     return cache
 
 
 def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: int, pname: str,
-                 promotion_mib: float, warm: int, reps: int, seed: int) -> TierRow:
-    cache = _tiered_from(s, codec, hot, promotion_mib)
+                 promotion_mib: float, warm: int, reps: int, seed: int, key_page_mib: float = 0.0) -> TierRow:
+    cache = _tiered_from(s, codec, hot, promotion_mib, key_page_mib)
     reader = TritonReader(codec, policy, config=FMA)
     b, t = s.q.shape[0], int(s.lengths.max())
     plan = reader.plan(b, t, s.q.device)
@@ -290,7 +291,7 @@ def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: 
     sm = tally.summary()
     spec = codec.spec
     fetched = sm["fetched_k"] * math.ceil(t / spec.page_size) * spec.page_size / 8 \
-        + sm["fetched_v"] * (spec.width - hot) * spec.page_size * spec.head_dim / 8
+        + (sm["fetched_v"] + sm["fetched_kp"]) * (spec.width - hot) * spec.page_size * spec.head_dim / 8
     return TierRow(source, f"tiered-h{hot}-{pname}", "triton", ms, cap_rate=sm["cap_rate"],
                    hit_rate=sm["hit_rate"], fetched_per_step=float(sm["fetched"]),
                    fetched_mib_per_step=fetched / MiB, fetch_ms=_time_h2d(int(fetched), s.q.device, reps),
@@ -333,7 +334,8 @@ def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: i
 # ---- output ----
 
 COLUMNS = ("source", "system", "reader", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
-           "promoted_mib", "max_batch", "cap_rate", "hit_rate", "fetched_per_step", "fetched_mib_per_step",
+           "promoted_mib", "max_batch", "cap_rate", "hit_rate", "kr_hit_rate", "fetched_per_step",
+           "fetched_mib_per_step",
            "used_share", "rel_err", "rel_err_all_gpu")
 
 
@@ -344,7 +346,7 @@ def format_table(rows: list[TierRow]) -> str:
     def cell(v: Any, col: str) -> str:
         if v is None:
             return ""
-        if col in ("cap_rate", "hit_rate", "used_share"):
+        if col in ("cap_rate", "hit_rate", "kr_hit_rate", "used_share"):
             return f"{100 * v:.2f}%"
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 

@@ -144,6 +144,7 @@ class TritonReader:
             "mkT": codec.rot_k.matrix.T.float().contiguous(), "mv": codec.rot_v.matrix.float().contiguous(),
             "tab2": packed_table(codec), "tabr": reversed_table(codec), "tabf": reversed_table_f32(codec),
             "tabw": codec.tree.table().float()[codec.width].contiguous(),  # depth W, stored code order
+            "tabk": codec.tree.table().float().contiguous(),  # [W + 1, 2^W]: every depth (tiered refinement)
             "dist": torch.tensor(codec.tree.distortion, dtype=torch.float32),
             "rk": rk_t, "rv": rv_t,
             "hw": (c.sigma_v * c.sigma_v).sum(-1).contiguous(),  # [L, Hkv] for value_head_weight
@@ -311,16 +312,16 @@ class TritonReader:
         return plan.out
 
     def check_tiered(self, plan: Plan, tiers: TieredPools, batch: int) -> None:
-        """Refuse a tiered read this reader cannot run: the FMA Key and Value stages read tiered caches (not the
-        int8 / MMA stages, Key refinement, the Full Reader or batch parts), and the pools must fit the format."""
+        """Refuse a tiered read this reader cannot run: the FMA Key and Value stages and Key refinement read tiered
+        caches (not the int8 / MMA stages, the Full Reader or batch parts), and the pools must fit the format."""
         spec, ch = self.codec.spec, plan.choices
         if ch.key_stage != "fma" or ch.value_stage != "fma":
             raise ValueError(f"a tiered read runs on the FMA stages; this plan chose the {ch.key_stage} Key stage and "
                              f"the {ch.value_stage} Value stage: use ReaderConfig(assembly='fma', key_int8=False, "
                              "value_int8=False)")
-        if self.refine or self.fixed_depth or plan.parts:
-            raise ValueError("a tiered read supports neither Key refinement, the Full Reader's fixed depth nor "
-                             "batch parts (ReaderConfig.batch_streams > 1) yet")
+        if self.fixed_depth or plan.parts:
+            raise ValueError("a tiered read supports neither the Full Reader's fixed depth nor batch parts "
+                             "(ReaderConfig.batch_streams > 1) yet")
         w, d, p, g = spec.width, spec.head_dim, spec.page_size, spec.v_run
         if not 0 <= tiers.hot_k <= w or not 0 <= tiers.hot_v <= w or tiers.hot_v % g:
             raise ValueError(f"hot planes K {tiers.hot_k} / V {tiers.hot_v} must lie in [0, W = {w}], V a multiple of "
@@ -328,6 +329,7 @@ class TritonReader:
         want = {
             "k_hot": (tiers.k_hot, (tiers.hot_k, d, p // 8)), "v_hot": (tiers.v_hot, v_page_shape(spec, tiers.hot_v)),
             "v_promo": (tiers.v_promo, v_page_shape(spec, w - tiers.hot_v)),
+            "kp_promo": (tiers.kp_promo, (w - tiers.hot_k, d, p // 8)),
             "k_slot": (tiers.k_slot, (batch, spec.n_kv_heads, d, w - tiers.hot_k)),
             "k_max": (tiers.k_max, (batch, spec.n_kv_heads, d)),
         }
@@ -337,11 +339,11 @@ class TritonReader:
                 raise ValueError(f"tiered pools: {name} must be {'' if name in ('k_slot', 'k_max') else '[n, '}"
                                  f"{', '.join(map(str, shape))}{'' if name in ('k_slot', 'k_max') else ']'}, got "
                                  f"{tuple(t.shape)}")
-        for name in ("k_slot", "k_max", "v_slot"):
+        for name in ("k_slot", "k_max", "v_slot", "kp_slot"):
             if getattr(tiers, name).dtype != torch.int32:
                 raise TypeError(f"tiered pools: {name} must be int32")
         check_device(tiers.k_hot, tiers.v_hot, tiers.k_promo, tiers.v_promo, tiers.k_slot, tiers.k_max, tiers.v_slot,
-                     plan.out)
+                     tiers.kp_promo, tiers.kp_slot, plan.out)
 
     def _run_tiered(self, st: Step, q: torch.Tensor, tiers: TieredPools, page_table: torch.Tensor,
                     lengths: torch.Tensor, mark: Callable[[str], None]) -> None:
@@ -350,6 +352,9 @@ class TritonReader:
         mark("prep")
         key_stage_fma.launch(st, tiers.k_hot, page_table, lengths, tiers)
         mark("key_stage")
+        if st.k.refine:  # refined tokens at depth W on resident Key pages, else at their channels' resident depth
+            refine.launch(st, tiers.k_hot, page_table, lengths, tiers)
+            mark("refine")
         if ch.two_pass:
             value_alloc_two_pass.launch(st, lengths)
         value_alloc.launch(st, lengths)
@@ -432,13 +437,16 @@ class TritonReader:
     def tiered_stats(self, plan: Plan, lengths: torch.Tensor, pools: TieredPools,
                      page_table: torch.Tensor) -> ReadStats:
         """:meth:`stats` of a tiered run: depths read (capped at the residency), the allocation's depths
-        (``k_wanted`` / ``v_wanted``), caps in bits and the bits asked for, as the reference reports them."""
+        (``k_wanted`` / ``v_wanted``), caps in bits and the bits asked for, as the reference reports them; with Key
+        refinement the chosen tokens (``kr_wanted``, the choice is the unlimited one), those read at depth W
+        (``kr_full``), their caps (``kr_caps``) and what they cost without a limit (``kr_wanted_bits``)."""
         spec = self.codec.spec
         want = self.stats(plan, lengths)
         k_max = pools.k_max.cpu().to(torch.int64)
         k_read = torch.minimum(want.k_depths, k_max)
-        p = spec.page_size
-        slots = pools.v_slot.cpu().to(torch.int64)[page_table.cpu().clamp_min(0).to(torch.int64)]  # [B, Hkv, S]
+        p, w = spec.page_size, spec.width
+        pt = page_table.cpu().clamp_min(0).to(torch.int64)  # [B, Hkv, S]
+        slots = pools.v_slot.cpu().to(torch.int64)[pt]
         page_depth = torch.where(slots >= 0, spec.width, pools.hot_v)
         cap = page_depth.repeat_interleave(p, dim=2)[:, :, : plan.max_tokens]
         cap = torch.nn.functional.pad(cap, (0, plan.max_tokens - cap.shape[2]))
@@ -447,14 +455,33 @@ class TritonReader:
         d = spec.head_dim
         k_bits = n_tok * k_read.sum((1, 2)).double()
         v_bits = d * v_read.sum((1, 2)).double()
-        k_caps, v_caps = want.k_bits - k_bits, want.v_bits - v_bits
+        k_caps = n_tok * (want.k_depths - k_read).sum((1, 2)).double()
+        v_caps = want.v_bits - v_bits
+        t_list = [int(t) for t in lengths.tolist()]
+        extra: dict = {}
+        kr_caps = torch.zeros_like(k_caps)
+        if self.refine:
+            refined = want.extra["k_refined"]  # [B, Hkv, T]
+            kp = pools.kp_slot.cpu().to(torch.int64)[pt] >= 0  # [B, Hkv, S]: Key page on the device
+            whole = kp.repeat_interleave(p, dim=2)[:, :, : plan.max_tokens]
+            whole = torch.nn.functional.pad(whole, (0, plan.max_tokens - whole.shape[2]))
+            cost_w = (w - k_read).sum(-1)  # [B, Hkv] bits of a token at depth W
+            cost_r = (k_max - k_read).sum(-1)  # at the channels' resident depths
+            n_full = (refined & whole).sum(-1)
+            n_cap = (refined & ~whole).sum(-1)
+            k_bits = k_bits + (n_full * cost_w + n_cap * cost_r).sum(-1).double()
+            kr_caps = (n_cap * (w - k_max).sum(-1)).sum(-1).double()
+            extra.update(k_refined=refined, kr_caps=kr_caps,
+                         kr_wanted=[refined[b, :, :t] for b, t in enumerate(t_list)],
+                         kr_full=[(refined & whole)[b, :, :t] for b, t in enumerate(t_list)],
+                         kr_wanted_bits=(refined.sum(-1) * cost_w).sum(-1).double())
+        extra.update({"k_wanted": want.k_depths, "v_wanted": [want.v_depths[b, :, :t] for b, t in enumerate(t_list)],
+                      "v_depths": [v_read[b, :, :t] for b, t in enumerate(t_list)],
+                      "k_caps": k_caps, "v_caps": v_caps, "kr_caps": kr_caps,
+                      "wanted_bits": k_bits + v_bits + k_caps + v_caps + kr_caps})
         return ReadStats(
             k_bits=k_bits, v_bits=v_bits, tokens=want.tokens, n_kv_heads=want.n_kv_heads, head_dim=d,
-            workspace_bytes=want.workspace_bytes, k_depths=k_read, v_depths=v_read,
-            extra={"k_wanted": want.k_depths, "v_wanted": [want.v_depths[b, :, : int(t)] for b, t in
-                                                           enumerate(lengths.tolist())],
-                   "v_depths": [v_read[b, :, : int(t)] for b, t in enumerate(lengths.tolist())],
-                   "k_caps": k_caps, "v_caps": v_caps, "wanted_bits": want.k_bits + want.v_bits})
+            workspace_bytes=want.workspace_bytes, k_depths=k_read, v_depths=v_read, extra=extra)
 
     def stats(self, plan: Plan, lengths: torch.Tensor) -> ReadStats:
         """Logical read of the last run, counted from its depth buffers."""

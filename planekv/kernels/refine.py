@@ -17,10 +17,15 @@ from the channel depths (which spent ``(1 - key_refine)`` of B_K), the step cont
   _key_refine_f   grid (B*Hkv, NBLK)   the chosen tokens' Keys at depth W in every channel (one
                                        (token, channel) per thread, bits picked out of the plane
                                        bytes) -> their logits rewritten
+  _key_refine_t   grid (B*Hkv, NBLK)   the same over a tiered cache: depth W where the token's Key
+                                       page holds a slot (promoted or open), else each channel's
+                                       resident depth (hot pool, promoted channel-planes)
   _key_restat     grid (B*Hkv, NSK)    softmax statistics of every Key split recomputed
 
 Selection is greedy by benefit per bit in descending order, stopping at the first token that does
-not fit (the reference's prefix of its sorted order, ties in (head, position) order).
+not fit (the reference's prefix of its sorted order, ties in (head, position) order). Over a tiered
+cache the selection is the one without a limit, from the depths the Key stage read (capped at the
+residency), as the reference's is; only the read of a chosen token stops at its limit.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kvstore.tiered_pools import TieredPools
 from .common import _block_prog, _load_scalar, _probs, _softmax_stats, next_pow2
 from .plan import Step
 from .radix import NBINS, NPASS, RBITS, _radix_digit
@@ -45,13 +51,16 @@ HIST_STRIDE_R = 8 * 16
 def _refine_score(logit_ptr, mstat_ptr, sstat_ptr, len_ptr, qt_ptr, sig_ptr, kdep_ptr, dist_ptr, rkey_ptr,
                   rcost_ptr, rhist_ptr, scale, TMAX, NSK, HQ: tl.constexpr, HKV: tl.constexpr, HG: tl.constexpr,
                   HG_PAD: tl.constexpr, G: tl.constexpr, G2: tl.constexpr, NSK_PAD: tl.constexpr, D: tl.constexpr,
-                  W: tl.constexpr, BLK: tl.constexpr):
+                  W: tl.constexpr, BLK: tl.constexpr, kmax_ptr=None):
     """Program (b*Hkv + h, block): refinement keys of BLK tokens (-1: not a candidate) and radix
-    pass 1 into this head's histogram; block 0 stores the head's cost per token."""
+    pass 1 into this head's histogram; block 0 stores the head's cost per token. ``kmax_ptr`` (a
+    tiered cache: int32 [B, Hkv, D]): the channel depths are those read, capped there."""
     pid_bh, blk, b, grp, hl, T = _block_prog(len_ptr, HKV, HG)
     h = pid_bh % HKV
     cc = tl.arange(0, D)
     tdep = tl.load(kdep_ptr + pid_bh * D + cc)
+    if kmax_ptr is not None:
+        tdep = tl.minimum(tdep, tl.load(kmax_ptr + pid_bh * D + cc))
     cost = tl.sum(W - tdep, 0)
     if blk == 0:
         tl.store(rcost_ptr + pid_bh, cost)
@@ -218,6 +227,61 @@ def _key_refine_f(kb_ptr, pt_ptr, len_ptr, rord_ptr, rcnt_ptr, qt_ptr, sig_ptr, 
 
 
 @triton.jit
+def _key_refine_t(kh_ptr, pt_ptr, len_ptr, rord_ptr, rcnt_ptr, qt_ptr, sig_ptr, base_ptr, tab_ptr, logit_ptr,
+                  kmax_ptr, ks_ptr, kp_ptr, pp_ptr, pslot_ptr, scale, SLOTS, TMAX, HQ: tl.constexpr,
+                  HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                  BLK: tl.constexpr, TS: tl.constexpr, HOT: tl.constexpr, MAXSLOTS: tl.constexpr):
+    """:func:`_key_refine_f` over a tiered cache: a chosen token reads every channel to depth W where its Key
+    page holds a slot in ``pp_ptr`` ([slots, W - HOT, D, P/8]; ``pslot_ptr`` [pages], -1: none), else channel c
+    to its resident depth ``kmax[c]`` (planes < HOT from the hot pool ``kh_ptr`` [pages, HOT, D, P/8], the rest
+    from the promoted channel-plane vectors ``kp_ptr`` [slots, MAXSLOTS, P/8] at ``ks_ptr`` [B, Hkv, D, W - HOT]).
+    Planes past the depth are not loaded; the code's prefix is looked up in the table row of its depth
+    (``tab_ptr`` [W + 1, 2^W], stored code order)."""
+    pid_bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    NBLK = tl.num_programs(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    NB: tl.constexpr = P // 8
+    NCOLD: tl.constexpr = W - HOT
+    NCODE: tl.constexpr = 1 << W
+    n = _load_scalar(rcnt_ptr + pid_bh * NBLK + blk)
+    cc = tl.arange(0, D)
+    sg = tl.load(sig_ptr + h * D + cc)
+    kmax = tl.load(kmax_ptr + pid_bh * D + cc)  # [D]
+    q0 = b * HQ + h * G
+    for s0 in range(0, n, TS):
+        ii = s0 + tl.arange(0, TS)
+        ok = ii < n
+        pos = blk * BLK + tl.load(rord_ptr + pid_bh * TMAX + blk * BLK + ii, mask=ok, other=0).to(tl.int32)
+        page = tl.load(pt_ptr + pid_bh * SLOTS + pos // P, mask=ok, other=0).to(tl.int64)
+        ps = tl.load(pslot_ptr + page, mask=ok, other=-1).to(tl.int64)  # [TS]: the Key page's slot
+        whole = ps >= 0
+        depth = tl.where(whole[:, None], W, kmax[None, :])  # [TS, D]
+        byte = ((pos % P) // 8).to(tl.int64)
+        bit = (pos % 8)[:, None]
+        code = tl.zeros([TS, D], dtype=tl.int32)
+        for j in tl.static_range(W):
+            live = ok[:, None] & (j < depth)
+            if j < HOT:
+                addr = kh_ptr + page[:, None] * (HOT * D * NB) + j * (D * NB) + cc[None, :] * NB + byte[:, None]
+                bj = tl.load(addr, mask=live, other=0)
+            else:
+                from_page = tl.load(pp_ptr + ps[:, None] * (NCOLD * D * NB) + (j - HOT) * (D * NB)
+                                    + cc[None, :] * NB + byte[:, None], mask=live & whole[:, None], other=0)
+                vs = tl.load(ks_ptr + (pid_bh * D + cc) * NCOLD + (j - HOT), mask=j < kmax, other=0).to(tl.int64)
+                from_vec = tl.load(kp_ptr + vs[None, :] * (MAXSLOTS * NB) + (pos // P).to(tl.int64)[:, None] * NB
+                                   + byte[:, None], mask=live & ~whole[:, None], other=0)
+                bj = from_page | from_vec
+            code = code | (((bj.to(tl.int32) >> bit) & 1) << (W - 1 - j))
+        z = tl.load(tab_ptr + depth * NCODE + code)  # [TS, D] float32
+        for g in tl.static_range(G):
+            wq = tl.load(qt_ptr + (q0 + g) * D + cc) * sg
+            lg = (tl.sum(z * wq[None, :], 1) + _load_scalar(base_ptr + q0 + g)) * scale
+            tl.store(logit_ptr + (q0 + g) * TMAX + pos, lg, mask=ok)
+
+
+@triton.jit
 def _key_restat(logit_ptr, len_ptr, mstat_ptr, sstat_ptr, TMAX, HQ: tl.constexpr, HKV: tl.constexpr,
                 G: tl.constexpr, G2: tl.constexpr, NTOK: tl.constexpr):
     """Program (b*Hkv + h, split of NTOK tokens): the split's softmax max and sum from its logits
@@ -240,10 +304,12 @@ def _key_restat(logit_ptr, len_ptr, mstat_ptr, sstat_ptr, TMAX, HQ: tl.constexpr
     tl.store(sstat_ptr + (q0 + gg) * NSPLIT + split, s, mask=gg < G)
 
 
-def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor) -> None:
+def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+           tiers: TieredPools | None = None) -> None:
     """After the Key stage: the refinement keys and radix pass 1, passes 2..8 each with its selection, the
     ties, the chosen tokens, their Keys at depth W (logits rewritten) and the splits' statistics recomputed.
-    The keys live in ``plan.vimp``, free until the Value allocation writes importances."""
+    The keys live in ``plan.vimp``, free until the Value allocation writes importances. ``tiers``: a tiered
+    cache's layer (``k_pool`` is then its hot pool; chosen tokens read at their limits, :func:`_key_refine_t`)."""
     k, pl, c, ch = st.k, st.plan, st.c, st.ch
     b, nblk, blk, tmax = pl.batch, pl.n_blocks, ch.block_tokens, pl.max_tokens
     grid = (b * k.hk, nblk)
@@ -254,7 +320,8 @@ def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: to
     bkr = k.bk - k.bk_stage  # the budget's share for refinement
     _refine_score[grid](pl.logits, pl.mstat, pl.sstat, lengths, pl.qt, sig_k, pl.kdep, c["dist"], rkey, pl.rcost,
                         pl.rhist, st.scale, tmax, pl.n_splits, HQ=k.hq, HKV=k.hk, HG=k.hg, HG_PAD=hgp, G=k.g,
-                        G2=st.g2, NSK_PAD=st.nsk_pad, D=k.d, W=k.w, BLK=blk, num_warps=nw)
+                        G2=st.g2, NSK_PAD=st.nsk_pad, D=k.d, W=k.w, BLK=blk,
+                        **({} if tiers is None else {"kmax_ptr": tiers.k_max}), num_warps=nw)
     sel = dict(HKV=k.hk, HG=k.hg, HG_PAD=hgp, num_warps=1)
     _refine_select[(st.groups,)](pl.rhist, pl.rsel, pl.rcost, lengths, bkr, PASS=1, **sel)
     for pas in range(2, NPASS.value + 1):
@@ -264,8 +331,14 @@ def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: to
     _refine_ties[grid](rkey, lengths, pl.rsel, pl.rtie, tmax, HKV=k.hk, HG=k.hg, BLK=blk, num_warps=nw)
     _refine_order[grid](rkey, lengths, pl.rsel, pl.rtie, pl.rcost, pl.rord, pl.rcnt, tmax, HKV=k.hk, HG=k.hg,
                         HG_PAD=hgp, BLK=blk, NT_PAD=next_pow2(k.hg * nblk), num_warps=nw)
-    _key_refine_f[grid](k_pool, page_table, lengths, pl.rord, pl.rcnt, pl.qt, sig_k, pl.base, c["tabw"], pl.logits,
-                        st.scale, st.slots, tmax, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p, BLK=blk,
-                        TS=max(1, 1024 // k.d), num_warps=nw)
+    if tiers is None:
+        _key_refine_f[grid](k_pool, page_table, lengths, pl.rord, pl.rcnt, pl.qt, sig_k, pl.base, c["tabw"],
+                            pl.logits, st.scale, st.slots, tmax, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p,
+                            BLK=blk, TS=max(1, 1024 // k.d), num_warps=nw)
+    else:
+        _key_refine_t[grid](k_pool, page_table, lengths, pl.rord, pl.rcnt, pl.qt, sig_k, pl.base, c["tabk"],
+                            pl.logits, tiers.k_max, tiers.k_slot, tiers.k_promo, tiers.kp_promo, tiers.kp_slot,
+                            st.scale, st.slots, tmax, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p, BLK=blk,
+                            TS=max(1, 1024 // k.d), HOT=tiers.hot_k, MAXSLOTS=tiers.k_promo.shape[1], num_warps=nw)
     _key_restat[(b * k.hk, pl.n_splits)](pl.logits, lengths, pl.mstat, pl.sstat, tmax, HQ=k.hq, HKV=k.hk, G=k.g,
                                          G2=st.g2, NTOK=ch.key_pages * k.p, num_warps=nw)

@@ -118,20 +118,27 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
                 v_src: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], codec: Codec, layer: int,
                 policy: ReadPolicy, lengths: torch.Tensor, starts: torch.Tensor | None = None,
                 scale: float | None = None, k_max: torch.Tensor | None = None,
-                v_max: torch.Tensor | None = None) -> tuple[torch.Tensor, ReadStats]:
+                v_max: torch.Tensor | None = None,
+                k_page_max: torch.Tensor | None = None) -> tuple[torch.Tensor, ReadStats]:
     """Two-stage read for M query rows of one sequence and layer.
 
     q [Hq, M, d] (after RoPE, model domain). ``k_src``/``v_src``: codes [Hkv, T, d] (uint8), or a
     callback that receives the depths of a single row ([Hkv, d] for K, [Hkv, T] for V) and returns
     code prefixes read at those depths (the paged decode path). ``k_max`` [Hkv, d] / ``v_max`` [Hkv, T]:
     the deepest depth that can be read per Key channel / Value token (a tiered cache's residency; None:
-    W). Nothing past them is read: the depths the allocations choose are capped at them (with
+    W). ``k_page_max`` [Hkv, T]: the depth each token's Key page makes readable in every channel (a promoted
+    or open Key page: W; None: none), so a token's Key channel c reads to max(k_max[c], k_page_max[token]).
+    Nothing past them is read: the depths the allocations choose are capped at them (with
     ``policy.tier_aware`` the allocations stay within them instead, so that the budget of an unreadable
-    increment goes to readable ones); sink Keys and Key refinement read each channel at its resident depth.
+    increment goes to readable ones); sink Keys read each channel at its resident depth, Key refinement
+    reads a refined token at its own limit (W where its Key page is resident).
     Caps, in bits per row: ``stats.extra["k_caps"]`` (Key channel planes an allocation without the limit
-    would have taken past it, T bits each, and the planes of sink and refined tokens past it, 1 bit per
-    token and channel) and ``["v_caps"]`` (d bits per Value token plane); ``["k_wanted"]`` [M, Hkv, d] /
-    ``["v_wanted"]`` [M, Hkv, T] are the unlimited allocations (what prefetch fetches for the next step) and
+    would have taken past it, T bits each, and the planes of sink tokens past it, 1 bit per token and
+    channel), ``["kr_caps"]`` (the planes past the limit of the tokens Key refinement chose without it, 1
+    bit per token and channel) and ``["v_caps"]`` (d bits per Value token plane); ``["k_wanted"]``
+    [M, Hkv, d] / ``["v_wanted"]`` [M, Hkv, T] / ``["kr_wanted"]`` [Hkv, M, T] (bool) are the unlimited
+    allocations and refinement choice (what prefetch fetches for the next step), ``["kr_full"]`` [Hkv, M, T]
+    the refined tokens read at depth W, ``["kr_wanted_bits"]`` [M] what the unlimited choice costs and
     ``["wanted_bits"]`` [M] the bits the read asked for (read + capped). Returns out [Hq, M, d] (float32) and
     per-row stats.
     """
@@ -224,13 +231,25 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
     mask = row_mask(lengths, starts, t_max, dev)  # [M, T]
     refine_bits = torch.zeros(m, dtype=torch.float64)
     refined = None
+    kr_caps = torch.zeros(m, dtype=torch.float64)
     if policy.key_refine:
-        full = k_codes if isinstance(k_src, torch.Tensor) else _codes_for(k_src, top.to(dev)[None].expand_as(t_dep))
-        logits, refine_bits, refined = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep,
-                                          (bk - bk_stage) * n_tok, mask, scale, policy, dist,
-                                          None if k_max is None else top)
-        if k_max is not None:  # refined tokens' planes past the resident depth, 1 bit per token and channel
-            k_caps += (refined.sum(-1).cpu().double() * (policy.width - top).sum(-1).double()[:, None]).sum(0)
+        # the deepest readable Key depth per token and channel: None (W), [Hkv, d] or [Hkv, T, d]
+        lim = None if k_max is None else top.to(dev)
+        if k_page_max is not None:
+            lim = torch.maximum(top.to(dev)[:, None, :], k_page_max[:, :t_max].to(dev, torch.int64)[:, :, None])
+            if bool((lim == lim[:, :1]).all()):  # the same for every token: read per channel
+                lim = lim[:, 0]
+        if isinstance(k_src, torch.Tensor):
+            full = k_codes
+        elif lim is None:
+            full = _codes_for(k_src, top.to(dev)[None].expand_as(t_dep))
+        elif lim.dim() == 2:  # the same limit for every token: per channel, as the channel stage reads
+            full = _codes_for(k_src, lim[None].expand_as(t_dep))
+        else:  # per token and channel
+            full = _codes_for(k_src, lim[None])
+        ref = _key_refine(logits, qt, qs, mu_k, table, full[:, :t_max].long(), t_dep, (bk - bk_stage) * n_tok,
+                          mask, scale, policy, dist, lim)
+        logits, refine_bits, refined, kr_wanted, kr_full, kr_caps, kr_wanted_bits = ref
     logits = (logits * scale).masked_fill(~mask, float("-inf"))
     p = torch.softmax(logits, dim=-1)  # [Hkv, G, M, T]
 
@@ -271,42 +290,84 @@ def readkv_rows(q: torch.Tensor, k_src: torch.Tensor | Callable[[torch.Tensor], 
         v_depths=s_dep.cpu(),
     )
     if refined is not None:
-        stats.extra["k_refined"] = refined.cpu()  # [Hkv, M, T] bool: tokens whose Keys were read at depth W
+        stats.extra["k_refined"] = refined.cpu()  # [Hkv, M, T] bool: tokens whose Keys were refined
     if limited:
-        stats.extra.update(k_caps=k_caps, v_caps=v_caps, k_wanted=k_wanted.cpu(), v_wanted=v_wanted.cpu(),
-                           wanted_bits=stats.k_bits + stats.v_bits + k_caps + v_caps)
+        stats.extra.update(k_caps=k_caps, v_caps=v_caps, kr_caps=kr_caps, k_wanted=k_wanted.cpu(),
+                           v_wanted=v_wanted.cpu(), wanted_bits=stats.k_bits + stats.v_bits + k_caps + v_caps + kr_caps)
+        if refined is not None:
+            stats.extra.update(kr_wanted=kr_wanted.cpu(), kr_full=kr_full.cpu(), kr_wanted_bits=kr_wanted_bits)
     return out, stats
 
 
 def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: torch.Tensor,
                 table: torch.Tensor, codes: torch.Tensor, t_dep: torch.Tensor, budget: torch.Tensor,
                 mask: torch.Tensor, scale: float, policy: ReadPolicy, distortion: list[float],
-                top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lim: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Key refinement (``ReadPolicy.key_refine``): logits [Hkv, G, M, T] (unscaled, from the channel
     depths t_dep [M, Hkv, d]) -> logits with the chosen blocks' tokens read at depth W in every
-    channel (at ``top`` [Hkv, d], the resident depth per channel, under a tiered cache's residency; ``codes``
-    are then read to it), the bits that cost per row [M], and the chosen tokens [Hkv, M, T] (bool).
+    channel, or, under a tiered cache's residency, at ``lim`` (the deepest readable depth per channel
+    [Hkv, d] or per token and channel [Hkv, T, d]; ``codes`` are then read to it). Returns the logits,
+    the bits read per row [M], the refined tokens [Hkv, M, T] (bool), the tokens the choice without a
+    limit takes (``kr_wanted``, bool; the refined ones unless ``policy.tier_aware``), those of them read at
+    depth W in every channel (``kr_full``), their planes past the limit per row [M] (``kr_caps``, 1 bit
+    per token and channel) and what they cost without it [M] (``kr_wanted_bits``).
 
     A token's logit error has variance ``scale^2 sum_c (q~ sigma)_c^2 D(t_c)`` (D: the tree's
     distortion per depth), the same for every token of a head; its effect on the output grows with
     p_i^2. So a block's benefit is ``sum_h p_{h,i}^2 * var_h`` over its tokens and its cost is
     ``n_tokens * sum_c (W - t_c)`` bits; blocks are taken by benefit per bit, in order, while the
-    row's budget [M] (bits per KV head; times Hkv when pooled) lasts."""
+    row's budget [M] (bits per KV head; times Hkv when pooled) lasts. Under a limit the choice is the
+    unlimited one, each chosen token read at its limit (the planes past it are caps), or with
+    ``policy.tier_aware`` a choice whose benefit and cost stop at the limit."""
     hk, g, m, t_max = logits.shape
     dev = logits.device
-    w, blk = policy.width, policy.key_refine_block
+    w = policy.width
     p = torch.softmax((logits * scale).masked_fill(~mask, float("-inf")), dim=-1)
     dtab = torch.tensor(distortion, dtype=torch.float32, device=dev)  # [W + 1]
     t_perm = t_dep.to(dev).permute(1, 0, 2)  # [Hkv, M, d]
-    gain = dtab[t_perm] if top is None else dtab[t_perm] - dtab[top.to(dev)][:, None, :]  # [Hkv, M, d]
-    var = ((qs * qs) * gain[:, None]).sum(-1) * scale * scale  # [Hkv, G, M]
+    var = ((qs * qs) * dtab[t_perm][:, None]).sum(-1) * scale * scale  # [Hkv, G, M]
     imp = (p * p * var[..., None]).sum(1)  # [Hkv, M, T]
+    per_tok = (w - t_perm).sum(-1)  # [Hkv, M] bits to refine one token
+    tok_cost = per_tok[:, :, None].expand(hk, m, t_max)  # [Hkv, M, T]
+    wanted, _ = _refine_choice(imp, tok_cost, budget, mask, policy)
+    lim3 = None if lim is None else (lim[:, None, :].expand(hk, t_max, lim.shape[-1]) if lim.dim() == 2 else lim)
+    sel_t = wanted
+    if lim3 is not None and policy.tier_aware:  # benefit and cost stop at each token's limit
+        gain = (qs * qs * scale * scale) @ dtab[lim3].transpose(1, 2)[:, None]  # [Hkv, G, M, T] error left at it
+        imp_l = (p * p * (var[..., None] - gain)).sum(1)
+        cost_l = (lim3[:, None] - t_perm[:, :, None]).clamp_min(0).sum(-1)  # [Hkv, M, T]
+        sel_t, _ = _refine_choice(imp_l, cost_l, budget, mask, policy)
+    if lim3 is None:
+        bits = (sel_t * tok_cost).sum((0, 2)).double()
+        full_t, caps, read_at = sel_t, torch.zeros(m, dtype=torch.float64), None
+    else:
+        read_cost = (lim3[:, None] - t_perm[:, :, None]).clamp_min(0).sum(-1)  # [Hkv, M, T] bits at the limit
+        bits = (sel_t * read_cost).sum((0, 2)).double()
+        on = (lim3 >= w).all(-1)[:, None, :]  # [Hkv, 1, T]: the token's Key page is resident
+        full_t = wanted & sel_t & on
+        caps = (wanted & ~on) * (w - lim3).sum(-1)[:, None, :]  # [Hkv, M, T]
+        caps = caps.sum((0, 2)).double()
+        read_at = lim3
+    wanted_bits = (wanted * tok_cost).sum((0, 2)).double()
+    if not bool(sel_t.any()):
+        return logits, bits.cpu(), sel_t, wanted, full_t, caps.cpu(), wanted_bits.cpu()
+    kz = table[w][codes] if read_at is None else table.reshape(-1)[read_at * table.shape[1] + codes]
+    full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ kz.transpose(1, 2)[:, None]
+    return (torch.where(sel_t[:, None], full, logits), bits.cpu(), sel_t, wanted, full_t, caps.cpu(),
+            wanted_bits.cpu())
+
+
+def _refine_choice(imp: torch.Tensor, tok_cost: torch.Tensor, budget: torch.Tensor, mask: torch.Tensor,
+                   policy: ReadPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """imp, tok_cost [Hkv, M, T] (benefit, bits per token) -> the chosen tokens [Hkv, M, T] (bool) and the bits
+    they cost per row [M]: blocks of ``key_refine_block`` tokens by benefit per bit while the budget [M] lasts."""
+    hk, m, t_max = imp.shape
+    dev = imp.device
+    blk = policy.key_refine_block
     nb = -(-t_max // blk)
     pad = nb * blk - t_max
     imp_b = torch.nn.functional.pad(imp, (0, pad)).view(hk, m, nb, blk).sum(-1)  # [Hkv, M, NB]
-    cnt = torch.nn.functional.pad(mask.to(torch.int64), (0, pad)).view(m, nb, blk).sum(-1)  # [M, NB]
-    per_tok = (w - t_perm if top is None else top.to(dev)[:, None, :] - t_perm).sum(-1)  # [Hkv, M] bits per token
-    cost = (per_tok[:, :, None] * cnt[None]).double()  # [Hkv, M, NB]
+    cost = torch.nn.functional.pad(tok_cost * mask[None], (0, pad)).view(hk, m, nb, blk).sum(-1).double()
     score = torch.where(cost > 0, imp_b.double() / cost.clamp_min(1.0), torch.full_like(cost, -1.0))
     if policy.pool_heads:
         score_r, cost_r = score.permute(1, 0, 2).reshape(m, hk * nb), cost.permute(1, 0, 2).reshape(m, hk * nb)
@@ -325,12 +386,7 @@ def _key_refine(logits: torch.Tensor, qt: torch.Tensor, qs: torch.Tensor, mu_k: 
     else:
         sel = take.view(hk, m, nb)
         bits = spent.view(hk, m, nb).sum((0, 2))
-    sel_t = sel.repeat_interleave(blk, dim=2)[..., :t_max] & mask[None]  # [Hkv, M, T]
-    if not bool(sel_t.any()):
-        return logits, bits.cpu(), sel_t
-    kz = table[w][codes] if top is None else table.reshape(-1)[top.to(dev)[:, None, :] * table.shape[1] + codes]
-    full = (qt * mu_k[:, None, None, :]).sum(-1, keepdim=True) + qs @ kz.transpose(1, 2)[:, None]
-    return torch.where(sel_t[:, None], full, logits), bits.cpu(), sel_t
+    return sel.repeat_interleave(blk, dim=2)[..., :t_max] & mask[None], bits
 
 
 def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
@@ -352,7 +408,8 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
         if t == 0:
             raise ValueError(f"sequence {b} has no tokens in layer {layer}")
         lim = {} if residency is None else dict(
-            k_max=residency.k_depth[b], v_max=residency.v_depth(b, t, codec.spec.page_size))
+            k_max=residency.k_depth[b], v_max=residency.v_depth(b, t, codec.spec.page_size),
+            k_page_max=residency.k_token_depth(b, t, codec.spec.page_size))
         out, st = readkv_rows(
             q[b][:, None, :], lambda dep, b=b: cache.read_k(layer, b, dep),
             lambda dep, b=b: cache.read_v(layer, b, dep), codec, layer, policy,
@@ -367,9 +424,13 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
     if policy.key_refine:
         stats.extra["k_refined"] = [p.extra["k_refined"][:, 0] for p in parts]  # per sequence [Hkv, T]
     if residency is not None:
-        for key in ("k_caps", "v_caps", "wanted_bits", "k_wanted"):
+        for key in ("k_caps", "v_caps", "kr_caps", "wanted_bits", "k_wanted"):
             stats.extra[key] = torch.cat([p.extra[key] for p in parts])
         stats.extra["v_wanted"] = [p.extra["v_wanted"][0] for p in parts]  # per sequence [Hkv, T]
+        if policy.key_refine:  # per sequence [Hkv, T] bool; [B]
+            stats.extra["kr_wanted"] = [p.extra["kr_wanted"][:, 0] for p in parts]
+            stats.extra["kr_full"] = [p.extra["kr_full"][:, 0] for p in parts]
+            stats.extra["kr_wanted_bits"] = torch.cat([p.extra["kr_wanted_bits"] for p in parts])
     return torch.stack(outs), stats
 
 

@@ -8,6 +8,9 @@ what the step would have read with every plane resident) say what depth it wante
   every page of its head (a Key channel's depth applies to every token).
 - **Values**: every sealed page whose tokens wanted depth past ``h_V`` asks for its refinement planes; pages are
   ranked by the planes they asked for beyond ``h_V`` (their demand).
+- **Key pages** (Key refinement): every sealed Key page holding a token the step's refinement chose
+  (``stats.extra["kr_wanted"]``, per sequence [Hkv, T]: its unlimited selection) asks for every channel's
+  refinement planes; pages are ranked by their chosen tokens.
 
 Items already resident are touched first (kept from eviction, least demanded first so the most demanded are the
 most recent); then missing items are brought, most demanded first, up to the per-step limits and never more than
@@ -41,41 +44,54 @@ class PromotionTarget(Protocol):
 
     def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int: ...
 
+    def key_page_slots(self, layer: int) -> int: ...
+
+    def promote_key_pages(self, layer: int, pages: list[tuple[int, int, int]]) -> int: ...
+
 
 @dataclass(frozen=True)
 class PrefetchPlan:
     """Items to keep (already resident) and to bring, in order: Key channel-planes (b, h, c, j), Value pages
-    (b, h, page slot)."""
+    (b, h, page slot), Key pages (b, h, page slot)."""
 
     k_keep: list[tuple[int, int, int, int]]
     k_fetch: list[tuple[int, int, int, int]]
     v_keep: list[tuple[int, int, int]]
     v_fetch: list[tuple[int, int, int]]
+    kp_keep: list[tuple[int, int, int]] = field(default_factory=list)
+    kp_fetch: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Prefetcher:
-    """Per layer and step, at most ``k_planes_per_step`` Key channel-planes and ``v_pages_per_step`` Value pages
-    are brought (None: as many as the promotion cache holds)."""
+    """Per layer and step, at most ``k_planes_per_step`` Key channel-planes, ``v_pages_per_step`` Value pages and
+    ``k_pages_per_step`` Key pages are brought (None: as many as the promotion cache / Key page slots hold)."""
 
     k_planes_per_step: int | None = None
     v_pages_per_step: int | None = None
+    k_pages_per_step: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("k_planes_per_step", "v_pages_per_step"):
+        for name in ("k_planes_per_step", "v_pages_per_step", "k_pages_per_step"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {v}")
 
     def plan(self, stats: ReadStats, residency: Residency, hot_k: int, hot_v: int, page_size: int,
-             k_slots: int, v_slots: int) -> PrefetchPlan:
-        """What to promote after a step whose stats carry ``k_wanted`` / ``v_wanted`` (a read under ``residency``).
-        ``k_slots`` / ``v_slots``: the promotion cache's capacity (items) for this layer."""
+             k_slots: int, v_slots: int, kp_slots: int = 0) -> PrefetchPlan:
+        """What to promote after a step whose stats carry ``k_wanted`` / ``v_wanted`` (a read under ``residency``)
+        and, with Key refinement, ``kr_wanted``. ``k_slots`` / ``v_slots`` / ``kp_slots``: the promotion cache's
+        and the Key page slots' capacity (items) for this layer."""
         if "k_wanted" not in stats.extra:
             raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
         k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots)
         v_keep, v_fetch = self._values(stats.extra["v_wanted"], residency, hot_v, page_size, v_slots)
-        return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch)
+        kp_keep: list[tuple[int, int, int]] = []
+        kp_fetch: list[tuple[int, int, int]] = []
+        if "kr_wanted" in stats.extra and residency.k_page_depth is not None:
+            kp_keep, kp_fetch = self._key_pages(stats.extra["kr_wanted"], residency.k_page_depth, hot_k, page_size,
+                                                kp_slots)
+        return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch, kp_keep, kp_fetch)
 
     def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int,
               slots: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
@@ -108,6 +124,25 @@ class Prefetcher:
         fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
         return keep, fetch[: self._room(len(keep), slots, self.v_pages_per_step)]
 
+    def _key_pages(self, wanted: list[torch.Tensor], page_depth: torch.Tensor, hot: int, page_size: int,
+                   slots: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """wanted: per sequence [Hkv, T] bool (tokens the refinement chose); page_depth [B, Hkv, slots]: sealed Key
+        pages ranked by their chosen tokens."""
+        ranked: list[tuple[int, int, int, int, bool]] = []
+        for b, w_b in enumerate(wanted):
+            hk_n, t = w_b.shape
+            n_sealed = t // page_size  # the open page is always resident
+            if n_sealed == 0:
+                continue
+            demand = w_b[:, : n_sealed * page_size].view(hk_n, n_sealed, page_size).sum(-1)  # [Hkv, sealed]
+            on = page_depth[b, :, :n_sealed] > hot
+            for h, s in demand.nonzero().tolist():
+                ranked.append((int(demand[h, s]), b, h, s, bool(on[h, s])))
+        ranked.sort(key=lambda x: -x[0])
+        keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
+        fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
+        return keep, fetch[: self._room(len(keep), slots, self.k_pages_per_step)]
+
     @staticmethod
     def _room(kept: int, slots: int, limit: int | None) -> int:
         room = max(0, slots - kept)  # bringing more would evict what this plan keeps
@@ -117,16 +152,21 @@ class Prefetcher:
         """Plan after a step of ``layer`` and promote into ``target``; returns the plan."""
         k_slots, v_slots = target.promotion_slots(layer)
         plan = self.plan(stats, residency, target.hot_k[layer], target.hot_v[layer],
-                         target.spec.page_size, k_slots, v_slots)  # type: ignore[attr-defined]
+                         target.spec.page_size, k_slots, v_slots, target.key_page_slots(layer))  # type: ignore[attr-defined]
         target.promote_keys(layer, plan.k_keep + plan.k_fetch)
         target.promote_values(layer, plan.v_keep + plan.v_fetch)
+        if plan.kp_keep or plan.kp_fetch:
+            target.promote_key_pages(layer, plan.kp_keep + plan.kp_fetch)
         return plan
 
 
 @dataclass
 class StepTally:
     """Running totals over steps, in bits: asked for (``wanted``), capped, asked for past the hot planes and
-    served from the promotion cache (the hit rate), and items fetched and later used."""
+    served from the promotion cache (the hit rate; Key refinement's bits included: a refined token wants every
+    channel at depth W), and items fetched and later used. Key refinement also in tokens: those the refinement
+    chose (``kr_wanted``) and those read at depth W from a promoted or open Key page (``kr_served``, the Key page
+    hit rate)."""
 
     wanted_bits: float = 0.0
     capped_bits: float = 0.0
@@ -135,7 +175,10 @@ class StepTally:
     fetched: int = 0
     fetched_k: int = 0  # Key channel-planes
     fetched_v: int = 0  # Value pages
+    fetched_kp: int = 0  # Key pages
     fetched_used: int = 0
+    kr_wanted: int = 0  # tokens Key refinement chose (token x KV head)
+    kr_served: int = 0  # of those, read at depth W (their Key page on the device)
     steps: int = 0
     _pending: dict[int, PrefetchPlan] = field(default_factory=dict, repr=False)
 
@@ -144,7 +187,9 @@ class StepTally:
         ex = stats.extra
         self.steps += 1
         self.wanted_bits += float(ex["wanted_bits"].sum())
-        self.capped_bits += float((ex["k_caps"] + ex["v_caps"]).sum())
+        kr_caps = ex.get("kr_caps")
+        self.capped_bits += float((ex["k_caps"] + ex["v_caps"]).sum()) + (0.0 if kr_caps is None else
+                                                                          float(kr_caps.sum()))
         n_tok = stats.tokens.double()  # [B]
         k_read, k_want = stats.k_depths, ex["k_wanted"]  # [B, Hkv, d]
         self.beyond_hot_bits += float(((k_want - hot_k).clamp_min(0).sum((1, 2)).double() * n_tok).sum())
@@ -154,11 +199,23 @@ class StepTally:
         for v_read, v_want in zip(ex["v_depths"], ex["v_wanted"], strict=True):
             self.beyond_hot_bits += d * float((v_want - hot_v).clamp_min(0).sum())
             self.served_bits += d * float((torch.minimum(v_read, v_want) - hot_v).clamp_min(0).sum())
+        if "kr_wanted" in ex:  # a chosen token wants every channel from its depth to W; those below h_K are hot
+            for b, (want_b, full_b) in enumerate(zip(ex["kr_wanted"], ex["kr_full"], strict=True)):
+                hot_part = (stats.k_depths[b].clamp_min(hot_k) - stats.k_depths[b]).sum(-1)  # [Hkv] per token
+                beyond = float(ex["kr_wanted_bits"][b]) - float((want_b.sum(-1) * hot_part).sum())
+                self.beyond_hot_bits += beyond
+                self.served_bits += beyond - float(kr_caps[b])
+                self.kr_wanted += int(want_b.sum())
+                self.kr_served += int((want_b & full_b).sum())
         plan = self._pending.pop(layer, None)
         if plan is not None:  # of the items fetched for this step, those it read
-            self.fetched += len(plan.k_fetch) + len(plan.v_fetch)
+            self.fetched += len(plan.k_fetch) + len(plan.v_fetch) + len(plan.kp_fetch)
             self.fetched_k += len(plan.k_fetch)
             self.fetched_v += len(plan.v_fetch)
+            self.fetched_kp += len(plan.kp_fetch)
+            if "kr_full" in ex:
+                for b, h, s in plan.kp_fetch:
+                    self.fetched_used += int(bool(ex["kr_full"][b][h, s * page_size: (s + 1) * page_size].any()))
             self.fetched_used += sum(int(k_read[b, h, c]) > j for b, h, c, j in plan.k_fetch)
             for b, h, s in plan.v_fetch:
                 page = ex["v_depths"][b][h, s * page_size: (s + 1) * page_size]
@@ -179,6 +236,11 @@ class StepTally:
         return self.served_bits / self.beyond_hot_bits if self.beyond_hot_bits else 1.0
 
     @property
+    def kr_hit_rate(self) -> float:
+        """Share of the tokens Key refinement chose that were read at depth W (1.0 when none were chosen)."""
+        return self.kr_served / self.kr_wanted if self.kr_wanted else 1.0
+
+    @property
     def cap_rate(self) -> float:
         """Share of the bits asked for that were capped."""
         return self.capped_bits / self.wanted_bits if self.wanted_bits else 0.0
@@ -187,4 +249,5 @@ class StepTally:
         return {"steps": self.steps, "wanted_bits": self.wanted_bits, "capped_bits": self.capped_bits,
                 "cap_rate": self.cap_rate, "beyond_hot_bits": self.beyond_hot_bits, "served_bits": self.served_bits,
                 "hit_rate": self.hit_rate, "fetched": self.fetched, "fetched_k": self.fetched_k,
-                "fetched_v": self.fetched_v, "fetched_used": self.fetched_used}
+                "fetched_v": self.fetched_v, "fetched_kp": self.fetched_kp, "fetched_used": self.fetched_used,
+                "kr_wanted": self.kr_wanted, "kr_served": self.kr_served, "kr_hit_rate": self.kr_hit_rate}

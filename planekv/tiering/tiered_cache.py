@@ -11,6 +11,10 @@
   j of channel c over every page of a (sequence, KV head) (``k_promo[l]`` [slots, pages per sequence, P/8],
   ``k_slot[l]`` [B, Hkv, d, W - h_K]); Values by page (``v_promo[l]`` [slots, W - h_V, P, d/8], ``v_slot[l]``
   [pages]).
+- **Key pages** (device, bounded, LRU, a budget of their own beside the promotion cache's: ``key_page_bytes``): every
+  channel's refinement planes of one Key page, for Key refinement, whose tokens want every channel at depth W
+  (``kp_promo[l]`` [slots, W - h_K, d, P/8], ``kp_slot[l]`` [pages]); slots 0..B*Hkv-1 are the open pages
+  (``k_open[l]`` is a view of them).
 
 ``residency(layer)`` says what can be read now; ``read_k`` / ``read_v`` return code prefixes like
 ``PlaneKVCache``'s and refuse a depth past it (never a wrong value), so ``planekv.kvstore.reference.readkv_decode``
@@ -50,7 +54,7 @@ class TierBytes:
 
     hot: int  # hot pools of every layer
     open: int  # open pages' Key refinement planes (their Value ones are in promotion slots)
-    promotion: int  # the promotion cache, K and V, every layer
+    promotion: int  # the promotion cache, K and V, every layer, and the sealed Key pages' slots
     host: int  # the host tier's blocks
 
     @property
@@ -69,6 +73,13 @@ def promotion_slots(spec: FormatSpec, max_tokens: int, hot_k: int, hot_v: int, l
     n_k = int(layer_bytes * k_share) // k_vec if hot_k < w else 0
     n_v = int(layer_bytes * (1 - k_share)) // v_page if hot_v < w else 0
     return n_k, n_v
+
+
+def key_page_slots(spec: FormatSpec, hot_k: int, layer_bytes: int) -> int:
+    """Sealed Key pages one layer's ``layer_bytes`` of Key page slots hold (a page: W - h_K planes of every
+    channel, d x P/8 bytes each)."""
+    page = (spec.width - hot_k) * spec.head_dim * (spec.page_size // 8)
+    return layer_bytes // page if hot_k < spec.width else 0
 
 
 class _Lru:
@@ -108,16 +119,19 @@ class TieredCache:
     def __init__(self, spec: FormatSpec, batch_size: int, placement: PlacementPolicy, max_tokens: int,
                  device: torch.device | str = "cpu", hot_bytes: int | None = None, promotion_bytes: int = 64 * MiB,
                  host_bytes: int | None = None, k_promotion_share: float = 0.5,
-                 sequence_ids: list[str] | None = None) -> None:
+                 sequence_ids: list[str] | None = None, key_page_bytes: int = 0) -> None:
+        """``promotion_bytes``: the promotion cache (Key channel-planes and Value pages) over every layer;
+        ``key_page_bytes``: sealed Key pages for Key refinement over every layer, beside it (0: a refined token
+        of a sealed page reads at its channels' resident depths, a cap)."""
         if batch_size < 1 or max_tokens < 1:
             raise ValueError(f"batch_size and max_tokens must be >= 1, got {batch_size} and {max_tokens}")
         placement.check_format(spec.n_layers, spec.width)
         if placement.format_id is not None and placement.format_id != spec.format_id:
             raise FormatMismatch(f"placement policy is for format {placement.format_id}, the cache's format is "
                                  f"{spec.format_id}")
-        if not 0.0 <= k_promotion_share <= 1.0 or promotion_bytes < 0:
-            raise ValueError(f"k_promotion_share must be in [0, 1] and promotion_bytes >= 0, got "
-                             f"{k_promotion_share} and {promotion_bytes}")
+        if not 0.0 <= k_promotion_share <= 1.0 or promotion_bytes < 0 or key_page_bytes < 0:
+            raise ValueError(f"k_promotion_share must be in [0, 1], promotion_bytes and key_page_bytes >= 0, got "
+                             f"{k_promotion_share}, {promotion_bytes} and {key_page_bytes}")
         self.spec = spec
         self.batch_size = batch_size
         self.placement = placement
@@ -152,7 +166,16 @@ class TieredCache:
         self.k_hot = [torch.zeros(n0, hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
         self.v_hot = [torch.zeros(n0, *v_page_shape(spec, hv), dtype=torch.uint8, device=dev) for hv in self.hot_v]
         n_open = batch_size * hk_n  # one open page per (sequence, KV head)
-        self.k_open = [torch.zeros(n_open, w - hk, d, self.k_row, dtype=torch.uint8, device=dev) for hk in self.hot_k]
+        # Key pages: per layer, the open pages' refinement planes (slots 0..n_open-1) and the promoted sealed ones
+        self.kp_promo = [torch.zeros(n_open + key_page_slots(spec, hk, key_page_bytes // L), w - hk, d, self.k_row,
+                                     dtype=torch.uint8, device=dev) for hk in self.hot_k]
+        self.k_open = [t[:n_open] for t in self.kp_promo]  # views: a page appends into its reserved slot
+        self.kp_slot = [torch.full((n0,), -1, dtype=torch.int32) for _ in self.hot_k]
+        self._kp_lru = []
+        for t in self.kp_promo:
+            lru = _Lru(t.shape[0])
+            lru.free = [s for s in lru.free if s >= n_open]
+            self._kp_lru.append(lru)
         # promotion: per layer, Key channel-plane vectors and Value pages (the open pages' slots reserved first)
         self.k_promo, self.v_promo, self.k_slot, self.v_slot = [], [], [], []
         self._k_lru, self._v_lru = [], []
@@ -172,7 +195,8 @@ class TieredCache:
         self.page_table = torch.full((batch_size, hk_n, 0), -1, dtype=torch.int64)
         self.lengths = torch.zeros((L, batch_size), dtype=torch.int64)
         self._free = list(range(n0 - 1, -1, -1))
-        self.counters = {"k_promoted": 0, "v_promoted": 0, "k_evicted": 0, "v_evicted": 0, "sealed": 0}
+        self.counters = {"k_promoted": 0, "v_promoted": 0, "kp_promoted": 0, "k_evicted": 0, "v_evicted": 0,
+                         "kp_evicted": 0, "sealed": 0}
 
     # ---- shapes and bytes ----
 
@@ -181,17 +205,19 @@ class TieredCache:
             return sum(t.numel() for t in ts)
 
         return TierBytes(hot=total(self.k_hot) + total(self.v_hot), open=total(self.k_open),
-                         promotion=total(self.k_promo) + total(self.v_promo), host=self.host.used_bytes)
+                         promotion=total(self.k_promo) + total(self.v_promo) + total(self.kp_promo)
+                         - total(self.k_open), host=self.host.used_bytes)
 
     def promoted_bytes(self) -> int:
-        """Bytes of the promotion cache in use now: promoted Key channel-planes and sealed Value pages (the open
-        pages' reserved slots not counted)."""
+        """Bytes of the promotion cache in use now: promoted Key channel-planes, sealed Value pages and sealed Key
+        pages (the open pages' reserved slots not counted)."""
         n_open = self.batch_size * self.spec.n_kv_heads
         total = 0
         for layer in range(self.spec.n_layers):
             k_vec = self.k_promo[layer][0].numel() if self.k_promo[layer].shape[0] else 0
             v_page = self.v_promo[layer][0].numel()
             total += int((self.k_slot[layer] >= 0).sum()) * k_vec + int((self.v_slot[layer] >= n_open).sum()) * v_page
+            total += int((self.kp_slot[layer] >= n_open).sum()) * self.kp_promo[layer][0].numel()
         return total
 
     @property
@@ -210,6 +236,7 @@ class TieredCache:
             self.k_hot[i] = torch.cat([self.k_hot[i], self.k_hot[i].new_zeros((new - old, *self.k_hot[i].shape[1:]))])
             self.v_hot[i] = torch.cat([self.v_hot[i], self.v_hot[i].new_zeros((new - old, *self.v_hot[i].shape[1:]))])
             self.v_slot[i] = torch.cat([self.v_slot[i], torch.full((new - old,), -1, dtype=torch.int32)])
+            self.kp_slot[i] = torch.cat([self.kp_slot[i], torch.full((new - old,), -1, dtype=torch.int32)])
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     def _ensure_pages(self, b: int, n_slots: int) -> None:
@@ -241,6 +268,12 @@ class TieredCache:
                         if s >= self.batch_size * hk_n:
                             self._v_lru[i].release(s)
                 self.v_slot[i][pages] = -1
+                for s in self.kp_slot[i][pages].tolist():
+                    if s >= 0:
+                        self.kp_promo[i][s] = 0
+                        if s >= self.batch_size * hk_n:
+                            self._kp_lru[i].release(s)
+                self.kp_slot[i][pages] = -1
             for s in self.k_slot[i][b][self.k_slot[i][b] >= 0].tolist():
                 self.k_promo[i][s] = 0
                 self._k_lru[i].release(s)
@@ -305,6 +338,7 @@ class TieredCache:
         write_v_planes(self.v_hot[layer], pages, off, vbits[..., :hv], spec.v_run)
         if hk < w:
             write_k_planes(self.k_open[layer], opened, off, kbits[..., hk:])
+            self.kp_slot[layer][self.page_table[b, :, slot]] = opened[:, 0].int().cpu()
             promoted = (self.k_slot[layer][b] >= 0).nonzero().tolist()  # (h, c, j - hk) of the head's promoted planes
             if promoted:
                 idx = torch.tensor(promoted, device=dev)
@@ -319,7 +353,7 @@ class TieredCache:
 
     def _seal(self, layer: int, b: int, slot: int) -> None:
         """Page ``slot`` of sequence b is full in ``layer``: its refinement planes go to the host tier; its Value
-        refinement planes stay promoted in a free slot if there is one (the most recent pages)."""
+        and Key refinement planes stay promoted, in the least recently used slot (the most recent pages)."""
         w, hk_n = self.spec.width, self.spec.n_kv_heads
         hk, hv = self.hot_k[layer], self.hot_v[layer]
         seq = self.sequence_ids[b]
@@ -328,6 +362,12 @@ class TieredCache:
             page = int(self.page_table[b, h, slot])
             if hk < w:
                 self.host.put_page((seq, "k", layer, h), slot, (hk, w), self.k_open[layer][o])
+                kept, old = self._kp_lru[layer].take(page)
+                if kept >= 0:
+                    if old is not None:
+                        self._evict_kp(layer, int(old))
+                    self.kp_promo[layer][kept] = self.k_open[layer][o]
+                self.kp_slot[layer][page] = kept
                 self.k_open[layer][o] = 0
             if hv < w:
                 self.host.put_page((seq, "v", layer, h), slot, (hv, w), self.v_promo[layer][o])
@@ -343,6 +383,10 @@ class TieredCache:
     def _evict_v(self, layer: int, page: int) -> None:
         self.v_slot[layer][page] = -1
         self.counters["v_evicted"] += 1
+
+    def _evict_kp(self, layer: int, page: int) -> None:
+        self.kp_slot[layer][page] = -1
+        self.counters["kp_evicted"] += 1
 
     # ---- promotion ----
 
@@ -374,6 +418,37 @@ class TieredCache:
             self.v_slot[layer][page] = slot
             n += 1
         self.counters["v_promoted"] += n
+        return n
+
+    def key_page_slots(self, layer: int) -> int:
+        """How many sealed Key pages ``layer``'s Key page slots hold."""
+        return self.kp_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
+
+    def promote_key_pages(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
+        """Bring every channel's refinement planes of sealed Key pages (sequence b, KV head h, page slot s) back to
+        the device for Key refinement, least recently used slots first; returns how many were brought (already
+        resident ones are touched)."""
+        if self.hot_k[layer] == self.spec.width:
+            return 0
+        lru, n = self._kp_lru[layer], 0
+        for b, h, s in pages:
+            page = int(self.page_table[b, h, s])
+            if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
+                continue  # no such page, or the open one (always resident)
+            cur = int(self.kp_slot[layer][page])
+            if cur >= 0:
+                lru.touch(cur)
+                continue
+            slot, old = lru.take(page)
+            if slot < 0:
+                break
+            if old is not None:
+                self._evict_kp(layer, int(old))
+            data = self.host.page((self.sequence_ids[b], "k", layer, h), s)
+            self.kp_promo[layer][slot] = data.to(self.device, non_blocking=True).view(self.kp_promo[layer].shape[1:])
+            self.kp_slot[layer][page] = slot
+            n += 1
+        self.counters["kp_promoted"] += n
         return n
 
     def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
@@ -419,14 +494,16 @@ class TieredCache:
 
     def residency(self, layer: int) -> Residency:
         """What ``layer`` can read now: per Key channel, the hot planes and the promoted ones that follow them;
-        per Value page, W if its refinement planes are on the device (promoted, or the open page), else h_V."""
+        per Value page and per Key page, W if its refinement planes are on the device (promoted, or the open page),
+        else h_V / h_K."""
         hk, hv, w = self.hot_k[layer], self.hot_v[layer], self.spec.width
         promoted = (self.k_slot[layer] >= 0).long()  # [B, Hkv, d, W - hk]
         k_depth = hk + promoted.cumprod(-1).sum(-1)
         pt = self.page_table
         on = torch.where(pt >= 0, self.v_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
         v_depth = torch.where(on, w, hv).to(torch.int64)
-        return Residency(k_depth.to(torch.int64), v_depth)
+        k_on = torch.where(pt >= 0, self.kp_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
+        return Residency(k_depth.to(torch.int64), v_depth, torch.where(k_on, w, hk).to(torch.int64))
 
     def pools(self, layer: int) -> TieredPools:
         """``layer``'s device tensors as the Triton reader takes them (the slot tables copied to the device)."""
@@ -435,17 +512,26 @@ class TieredCache:
             hot_k=self.hot_k[layer], hot_v=self.hot_v[layer], k_hot=self.k_hot[layer], v_hot=self.v_hot[layer],
             k_promo=self.k_promo[layer], k_slot=self.k_slot[layer].to(dev).contiguous(),
             k_max=self.residency(layer).k_depth.to(device=dev, dtype=torch.int32),
-            v_promo=self.v_promo[layer], v_slot=self.v_slot[layer].to(dev).contiguous())
+            v_promo=self.v_promo[layer], v_slot=self.v_slot[layer].to(dev).contiguous(),
+            kp_promo=self.kp_promo[layer], kp_slot=self.kp_slot[layer].to(dev).contiguous())
 
     def _k_pages(self, layer: int, b: int, top: int, depth: torch.Tensor) -> torch.Tensor:
         """The head's K pages with planes 0..top-1 assembled: [Hkv, slots, top, d, P/8] (refinement planes from
-        the promotion cache; a depth past the residency refused)."""
-        spec, hk = self.spec, self.hot_k[layer]
-        res = self.residency(layer).k_depth[b]
-        if bool((depth.cpu() > res).any()):
+        the Key page slots where a page has one, else from the promoted channel-planes; a depth past the
+        residency refused). ``depth``: [Hkv, d] per channel, or [Hkv, T, d] per token."""
+        spec, hk, p = self.spec, self.hot_k[layer], self.spec.page_size
+        t = self.length(layer, b)
+        res = self.residency(layer)
+        lim = res.k_depth[b]  # [Hkv, d]
+        page_lim = res.k_token_depth(b, t, p)  # [Hkv, T]
+        if depth.dim() == 3:
+            lim = torch.maximum(lim[:, None, :], page_lim[:, :, None])  # [Hkv, T, d]
+        elif t:  # a channel is also readable to the depth every Key page of its head has
+            lim = torch.maximum(lim, page_lim.min(1).values[:, None])
+        if bool((depth.cpu() > lim).any()):
             raise PlaneKVError(f"layer {layer}, sequence {b}: a Key depth past its residency was asked for (the "
                                "tiered read caps at the resident depth; promote the planes first)")
-        n_slots = -(-self.length(layer, b) // spec.page_size)
+        n_slots = -(-t // p)
         pages = self.page_table[b, :, :n_slots].to(self.device)
         raw = torch.zeros(spec.n_kv_heads, n_slots, top, spec.head_dim, self.k_row, dtype=torch.uint8,
                           device=self.device)
@@ -457,17 +543,30 @@ class TieredCache:
             vec = self.k_promo[layer][slots.clamp_min(0).long().to(self.device)][:, :, :, :n_slots]
             vec = vec * on.to(self.device)[..., None, None]
             raw[:, :, hk:] = vec.permute(0, 3, 2, 1, 4)
+            kp = self.kp_slot[layer][pages.cpu()].long()  # [Hkv, slots]: every channel's planes of a Key page
+            whole = (kp >= 0).to(self.device)[..., None, None, None]
+            raw[:, :, hk:] = torch.where(whole, self.kp_promo[layer][kp.clamp_min(0).to(self.device)][:, :, : top - hk],
+                                         raw[:, :, hk:])
         return raw
 
     def read_k(self, layer: int, b: int, depth: torch.Tensor | int) -> torch.Tensor:
-        """Key code prefixes of sequence b, as PlaneKVCache.read_k (depths within the residency)."""
+        """Key code prefixes [Hkv, T, d] of sequence b, as PlaneKVCache.read_k (depths within the residency):
+        ``depth`` per channel [Hkv, d] (or an int), or per token and channel [Hkv, T, d] (Key refinement: a
+        token of a promoted or open Key page reads to W in every channel)."""
         spec = self.spec
         t = self.length(layer, b)
-        depth_t = torch.as_tensor(depth, device=self.device).expand(spec.n_kv_heads, spec.head_dim)
+        depth_t = torch.as_tensor(depth, device=self.device)
+        if depth_t.dim() != 3:
+            depth_t = depth_t.expand(spec.n_kv_heads, spec.head_dim)
         top = int(depth_t.max()) if depth_t.numel() else 0
         if top == 0 or t == 0:
             return torch.zeros((spec.n_kv_heads, t, spec.head_dim), dtype=torch.uint8, device=self.device)
         bits = unpack_bits(self._k_pages(layer, b, top, depth_t))  # [Hkv, slots, top, d, P]
+        if depth_t.dim() == 3:  # per token: [Hkv, T, top, d]
+            bits = bits.permute(0, 1, 4, 2, 3).reshape(spec.n_kv_heads, -1, top, spec.head_dim)[:, :t]
+            keep = torch.arange(top, device=self.device)[None, None, :, None] < depth_t[:, :, None, :]
+            codes = _planes_to_codes((bits * keep.to(torch.uint8)).permute(2, 0, 1, 3), spec.width)
+            return codes  # [Hkv, T, d]
         keep = torch.arange(top, device=self.device)[None, :, None] < depth_t[:, None, :]
         bits = bits * keep[:, None, :, :, None].to(torch.uint8)
         codes = _planes_to_codes(bits.permute(2, 0, 1, 4, 3), spec.width)  # [Hkv, slots, P, d]

@@ -80,10 +80,10 @@ def test_the_command_writes_its_rows(tmp_path) -> None:
 @pytest.mark.slow
 def test_a_timing_run_at_a_toy_size() -> None:
     """Every system of a timing run reports a time and GPU bytes (interpreter: the times mean nothing); the tiered
-    row keeps fewer bytes than the all-GPU one, and a Key refinement policy is listed untimed."""
+    row keeps fewer bytes than the all-GPU one; a Key refinement policy is timed tiered too."""
     shape = Shape("toy", 2, 256, 4, 2, 32)
     rows = run_timing(shape, ["flex-r4", "flex-kr-r2"], [4], reps=1, warm=1, promotion_mib=0.002, layers=2,
-                      budget_gib=1.0)
+                      budget_gib=1.0, key_page_mib=0.01)
     by = {r.system: r for r in rows}
     assert {"sdpa", "fp8", "readkv-flex-r4", "readkv-flex-r4-fma", "tiered-h4-flex-r4", "offload-h4-flex-r4",
             "tiered-h4-flex-kr-r2"} <= set(by)
@@ -91,7 +91,8 @@ def test_a_timing_run_at_a_toy_size() -> None:
         assert by[name].step_ms is not None and by[name].step_ms > 0 and by[name].gpu_gib > 0
     assert by["tiered-h4-flex-r4"].gpu_gib < by["readkv-flex-r4"].gpu_gib
     assert by["tiered-h4-flex-r4"].max_batch > by["readkv-flex-r4"].max_batch
-    assert by["tiered-h4-flex-kr-r2"].step_ms is None and "Key refinement" in by["tiered-h4-flex-kr-r2"].extra["note"]
+    kr = by["tiered-h4-flex-kr-r2"]
+    assert kr.step_ms is not None and kr.step_ms > 0 and kr.extra["tally"]["kr_wanted"] > 0
     tiered = by["tiered-h4-flex-r4"]
     assert tiered.cap_rate is not None and tiered.extra["tally"]["steps"] == 1 and tiered.fetched_per_step > 0
     assert dataclasses.asdict(tiered)["x_all_gpu"] > 0

@@ -1,6 +1,7 @@
 """The Triton reader over a tiered cache (interpreter): the FMA stages read the hot pools and the promotion
 cache, cap every depth at the residency, and equal the reference reader with the same residency (depths,
-caps, output); with every plane hot they equal the all-GPU read."""
+caps, output); with every plane hot they equal the all-GPU read. Key refinement reads a chosen token at depth W
+where its Key page is resident, else at its channels' resident depths, as the reference does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ LENGTHS = [200, 97]  # 3 sealed pages + an open one; 1 sealed + an open one (64-
 FMA = ReaderConfig(assembly="fma", key_int8=False, value_int8=False)
 
 
-def _caches(hot_k: int, hot_v: int, v_run: int = 1, seed: int = 11):
+def _caches(hot_k: int, hot_v: int, v_run: int = 1, seed: int = 11, key_page_bytes: int = 0):
     syn = make_synthetic(n_tokens=max(LENGTHS), n_rows=2, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=32,
                          seed=seed)
     spec = dataclasses.replace(syn.spec, v_run=v_run)
@@ -28,7 +29,8 @@ def _caches(hot_k: int, hot_v: int, v_run: int = 1, seed: int = 11):
     kc, vc = codec.encode_k(syn.k[0], 0), codec.encode_v(syn.v[0], 0)
     flat = PlaneKVCache(spec, 2)
     placement = PlacementPolicy(hot_planes=HotPlanes(k=hot_k, v=hot_v), block_bytes=1 << 20)
-    tiered = TieredCache(spec, 2, placement, max_tokens=256, promotion_bytes=4 * 3 * 1536)
+    tiered = TieredCache(spec, 2, placement, max_tokens=256, promotion_bytes=4 * 3 * 1536,
+                         key_page_bytes=key_page_bytes)
     for b, t in enumerate(LENGTHS):
         for cache in (flat, tiered):
             cache.append(0, kc[:, :t], vc[:, :t], seq=b)
@@ -99,9 +101,6 @@ def test_tiered_reads_are_refused_where_the_kernels_do_not_run_them() -> None:
     codec, _, tiered, q = _caches(4, 2)
     with pytest.raises(ValueError, match="tier-aware"):
         TritonReader(codec, ReadPolicy.flexible(4.0, tier_aware=True), config=FMA).decode_tiered(q, tiered, 0)
-    refine = TritonReader(codec, ReadPolicy.flexible(2.0, key_refine=0.3), config=FMA)
-    with pytest.raises(ValueError, match="Key refinement"):
-        refine.decode_tiered(q, tiered, 0)
     mma = TritonReader(codec, ReadPolicy.flexible(4.0), config=ReaderConfig(assembly="transpose"))
     with pytest.raises(ValueError, match="FMA stages"):
         mma.decode_tiered(q, tiered, 0)
@@ -112,6 +111,84 @@ def test_tiered_reads_are_refused_where_the_kernels_do_not_run_them() -> None:
     pt = tiered.page_table.to(torch.int32)
     with pytest.raises(TypeError, match="k_slot must be int32"):
         reader.run(plan, q, bad.k_hot, bad.v_hot, pt, tiered.lengths[0].to(torch.int32), 0, tiers=bad)
+    with pytest.raises(TypeError, match="kp_slot must be int32"):
+        reader.run(plan, q, pools.k_hot, pools.v_hot, pt, tiered.lengths[0].to(torch.int32), 0,
+                   tiers=dataclasses.replace(pools, kp_slot=pools.kp_slot.long()))
     with pytest.raises(ValueError, match="k_hot must be"):
         reader.run(plan, q, pools.v_hot, pools.v_hot, pt, tiered.lengths[0].to(torch.int32), 0,
                    tiers=dataclasses.replace(pools, k_hot=pools.v_hot))
+
+
+def _compare_refined(codec, tiered, q, policy):
+    """Key refinement over the tiered cache: the kernels choose the reference's tokens, read them at the same
+    limits (depth W on resident Key pages), count the same caps and give the same output."""
+    res = tiered.residency(0)
+    ref, rst = readkv_decode(q, tiered, 0, codec, policy, residency=res)
+    reader = TritonReader(codec, policy, config=FMA)
+    plan = reader.plan(2, 256, "cpu", pages_per_program=2, block_tokens=64)
+    plan.out.fill_(float("nan"))
+    plan.logits.fill_(float("nan"))
+    out, st = reader.decode_tiered(q, tiered, 0, plan=plan)
+    assert torch.isfinite(out).all()
+    assert torch.equal(st.k_depths, rst.k_depths) and torch.equal(st.extra["k_wanted"], rst.extra["k_wanted"])
+    for b in range(2):
+        for key in ("kr_wanted", "kr_full"):
+            assert torch.equal(st.extra[key][b], rst.extra[key][b]), (key, b)
+        assert torch.equal(st.extra["v_depths"][b], rst.extra["v_depths"][b])
+    for key in ("k_caps", "v_caps", "kr_caps", "kr_wanted_bits", "wanted_bits"):
+        assert torch.equal(st.extra[key], rst.extra[key]), key
+    assert torch.equal(st.k_bits, rst.k_bits) and torch.equal(st.v_bits, rst.v_bits)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    return st, out
+
+
+@pytest.mark.parametrize("policy", [ReadPolicy.flexible(2.0, 0.875, key_refine=0.3),
+                                    ReadPolicy.flexible(4.0, 0.75, key_refine=0.3)], ids=["flexible-r2", "flexible-r4"])
+def test_tiered_key_refinement_equals_the_reference_with_the_same_residency(policy: ReadPolicy) -> None:
+    """h_K = 4, h_V = 2, Key page slots for 2 sealed pages (the latest sealed kept, one promoted) and a few Key
+    channel-planes: refined tokens on resident Key pages read at W, the others at their channels' resident depths
+    (some of them past h_K), both as the reference reads them."""
+    page = 4 * 32 * 64 // 8
+    codec, _, tiered, q = _caches(4, 2, key_page_bytes=2 * page)
+    tiered.promote_keys(0, [(0, 0, c, 4) for c in range(0, 32, 3)] + [(1, 1, 5, 4), (1, 1, 5, 5), (0, 1, 7, 4)])
+    tiered.promote_values(0, [(0, 1, 1), (1, 0, 0)])
+    tiered.promote_key_pages(0, [(0, 0, 0)])
+    st, _ = _compare_refined(codec, tiered, q, policy)
+    full = torch.cat([f.flatten() for f in st.extra["kr_full"]])
+    wanted = torch.cat([f.flatten() for f in st.extra["kr_wanted"]])
+    assert bool(full.any()) and bool((wanted & ~full).any())  # both kinds of refined token
+    assert float(st.extra["kr_caps"].sum()) > 0
+
+
+def test_tiered_key_refinement_with_every_key_page_resident() -> None:
+    """Every Key and Value page resident, the channels capped at h_K: refined tokens read at depth W from the Key
+    pages, the channel stage at h_K, in the kernels as in the reference."""
+    codec, _, tiered, q = _caches(4, 2, key_page_bytes=1 << 20)
+    pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(codec.spec.n_kv_heads) for s in range(t // 64)]
+    tiered.promote_values(0, pages)
+    tiered.promote_key_pages(0, pages)
+    st, _ = _compare_refined(codec, tiered, q, ReadPolicy.flexible(4.0, 0.75, key_refine=0.3))
+    assert float(st.extra["k_caps"].sum()) > 0 and float(st.extra["kr_caps"].sum()) == 0
+    assert all(torch.equal(f, w) for f, w in zip(st.extra["kr_full"], st.extra["kr_wanted"], strict=True))
+
+
+def test_everything_promoted_refines_as_the_plane_cache() -> None:
+    """Every Key channel-plane, Value page and Key page promoted: no caps, and Key refinement gives the all-GPU
+    Triton read's output bit for bit."""
+    codec, flat, tiered, q = _caches(4, 2)
+    tiered = TieredCache(codec.spec, 2, tiered.placement, max_tokens=256, promotion_bytes=4 << 20,
+                         key_page_bytes=1 << 20)
+    for b in range(2):
+        tiered.append(0, flat.read_k(0, b, 8), flat.read_v(0, b, 8), seq=b)
+    hk_n, d = codec.spec.n_kv_heads, codec.spec.head_dim
+    tiered.promote_keys(0, [(b, h, c, j) for b in range(2) for h in range(hk_n) for c in range(d) for j in range(4, 8)])
+    pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(hk_n) for s in range(t // 64)]
+    tiered.promote_values(0, pages)
+    tiered.promote_key_pages(0, pages)
+    policy = ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)
+    st, out = _compare_refined(codec, tiered, q, policy)
+    assert float((st.extra["k_caps"] + st.extra["v_caps"] + st.extra["kr_caps"]).sum()) == 0
+    reader = TritonReader(codec, policy, config=FMA)
+    want, wst = reader.decode(q, flat, 0, plan=reader.plan(2, 256, "cpu", pages_per_program=2, block_tokens=64))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert torch.equal(st.extra["k_refined"], wst.extra["k_refined"])

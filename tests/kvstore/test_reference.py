@@ -669,9 +669,9 @@ def test_a_partial_residency_is_never_passed_and_its_caps_are_counted(synthetic,
 
 @pytest.mark.parametrize("extra", [dict(key_refine=0.3), dict(sink_keys=8)], ids=["key-refine", "sink-keys"])
 def test_refined_and_sink_keys_are_read_at_the_resident_depth(synthetic, extra):
-    """Under a residency, Key refinement and sink Keys read each channel at its resident depth (never
-    past it: the cache would refuse), count the planes past it as caps, and the read stays close to the
-    unlimited one."""
+    """Under a residency without Key pages, Key refinement and sink Keys read each channel at its resident
+    depth (never past it: the cache would refuse), count the planes past it as caps (refinement's in
+    ``kr_caps``: the tokens the unlimited choice takes), and the read stays close to the unlimited one."""
     from planekv.kvstore import Residency
 
     codec, q, k, v, kc, vc = _setup(synthetic, n_tokens=256, n_rows=2)
@@ -701,7 +701,9 @@ def test_refined_and_sink_keys_are_read_at_the_resident_depth(synthetic, extra):
         if "key_refine" in extra:
             n_ref = st.extra["k_refined"][b].sum(-1)  # [Hkv] tokens refined per head
             assert int(n_ref.sum()) > 0
-            assert float(st.extra["k_caps"][b]) >= float((n_ref * past[b]).sum())
+            assert torch.equal(st.extra["kr_wanted"][b], st.extra["k_refined"][b])  # capped, not re-chosen
+            assert not st.extra["kr_full"][b].any()  # no Key page resident: every refined token capped
+            assert float(st.extra["kr_caps"][b]) == float((n_ref * past[b]).sum())
         else:
             assert float(st.extra["k_caps"][b]) >= 8 * float(past[b].sum())
     exact = torch.stack([attention(qq[b][:, None], k[:, :t], v[:, :t], torch.tensor([t]))[:, 0]

@@ -83,3 +83,34 @@ def test_limits_and_the_cache_room_bound_what_is_brought() -> None:
     _, plain = readkv_decode(q, flat, 0, codec, POLICY)
     with pytest.raises(ValueError, match="under a residency"):
         Prefetcher().plan(plain, res, 4, 2, 64, k_slots, v_slots)
+
+
+def test_key_pages_of_the_refined_tokens_are_prefetched_and_counted() -> None:
+    """Key refinement: after a step the sealed Key pages holding the tokens it chose are promoted (most chosen
+    tokens first, within the Key page slots), so a repeated query's refinement is served at full depth; the
+    tally counts the chosen tokens, those served (the Key page hit rate) and the pages fetched and used."""
+    codec, codes, q = _data()
+    spec = codec.spec
+    policy = ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)
+    page = (spec.width - 4) * spec.head_dim * spec.page_size // 8
+    tiered = TieredCache(spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=4 << 20,
+                         key_page_bytes=2 * 8 * page)
+    tiered.counters["kp_evicted"] = 0
+    _fill(tiered, codes)
+    for layer in range(2):  # nothing sealed kept from the fill: start cold
+        for s in tiered.kp_slot[layer][tiered.kp_slot[layer] >= 2 * spec.n_kv_heads].tolist():
+            tiered._kp_lru[layer].release(s)
+        tiered.kp_slot[layer][tiered.kp_slot[layer] >= 2 * spec.n_kv_heads] = -1
+    tally, kr_caps = StepTally(), []
+    for _ in range(3):
+        _, st = tiered_decode_step(q, tiered, 0, codec, policy, Prefetcher(), tally)
+        kr_caps.append(float(st.extra["kr_caps"].sum()))
+    assert kr_caps[0] > 0 and kr_caps[2] < 0.25 * kr_caps[0]
+    s = tally.summary()
+    assert s["fetched_kp"] > 0 and s["fetched_used"] > 0
+    assert 0 < s["kr_served"] < s["kr_wanted"] and 0 < s["kr_hit_rate"] < 1
+    assert s["capped_bits"] >= sum(kr_caps)
+    # a limit holds
+    limited = Prefetcher(k_pages_per_step=1).plan(st, tiered.residency(0), 4, 2, spec.page_size, 0, 0,
+                                                 tiered.key_page_slots(0))
+    assert len(limited.kp_fetch) <= 1

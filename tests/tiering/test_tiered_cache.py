@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planekv.kvstore import CacheFull, Codec, FormatMismatch, PlaneKVCache, PlaneKVError, ReadPolicy, Residency
-from planekv.kvstore.reference import readkv_decode
+from planekv.kvstore.reference import readkv_decode, readkv_rows
 from planekv.kvstore.synthetic import make_synthetic
 from planekv.tiering import PlacementPolicy
 from planekv.tiering.errors import TierFull
@@ -152,3 +152,113 @@ def test_bad_placements_and_full_tiers_are_refused_with_what_to_do() -> None:
     with pytest.raises(CacheFull, match="made for"):
         TieredCache(codec.spec, 1, _policy(), max_tokens=64).append(0, codes[0][0][:, :65], codes[0][1][:, :65], seq=0)
     assert Residency.full(codec.spec, 2, 3).k_depth.shape == (2, 2, 32)
+
+
+def test_key_pages_stay_promoted_on_sealing_within_their_budget_and_read_at_full_depth() -> None:
+    """Key page slots (``key_page_bytes``, beside the promotion cache): the open page and the most recently sealed
+    pages are resident in every channel, the least recently used is evicted past the budget, a promoted page
+    reads to W per token and equals the plane cache there, and a depth past a page's residency is refused."""
+    codec, codes, _ = _data()
+    spec = codec.spec
+    page = (spec.width - 4) * spec.head_dim * spec.page_size // 8  # one Key page's refinement planes
+    tiered = _fill(TieredCache(spec, 2, _policy(4, 2), max_tokens=512, key_page_bytes=2 * 3 * page), codes)
+    flat = _fill(PlaneKVCache(spec, 2), codes)
+    assert tiered.key_page_slots(0) == 3 and tiered.bytes().promotion >= 2 * 3 * page
+    res = tiered.residency(0)
+    # 6 pages sealed per head pair, 3 slots: the most recently sealed stay; the open pages are always resident
+    for b, t in enumerate(LENGTHS):
+        n_slots = -(-t // spec.page_size)
+        assert bool((res.k_page_depth[b, :, n_slots - 1] == spec.width).all())  # the open page
+    assert int((res.k_page_depth[:, :, :5] == spec.width).sum()) == 2 * 2 + 3  # open pages + 3 slots
+    assert tiered.counters["kp_evicted"] > 0
+    tiered.promote_key_pages(0, [(0, 1, 0), (1, 0, 1)])
+    res = tiered.residency(0)
+    assert int(res.k_page_depth[0, 1, 0]) == spec.width and int(res.k_page_depth[1, 0, 1]) == spec.width
+    for b, t in enumerate(LENGTHS):
+        lim = torch.maximum(res.k_depth[b][:, None, :], res.k_token_depth(b, t, spec.page_size)[:, :, None])
+        got = tiered.read_k(0, b, lim)  # per token and channel: W on resident Key pages, h_K elsewhere
+        full = flat.read_k(0, b, 8)
+        keep = lim == spec.width
+        assert bool(keep.any()) and bool((~keep).any())
+        assert torch.equal(got[keep], full[keep])
+        assert torch.equal(got[~keep], full[~keep] & 0xF0)  # the hot planes
+        with pytest.raises(PlaneKVError, match="residency"):
+            tiered.read_k(0, b, torch.full_like(lim, spec.width))
+    tiered.free(0)  # sequence 0's slots released: only sequence 1's pages hold Key page slots
+    held = set((tiered.kp_slot[0] >= 0).nonzero().flatten().tolist())
+    assert held and held <= set(tiered.page_table[1][tiered.page_table[1] >= 0].tolist())
+    assert len(tiered._kp_lru[0].free) + len(tiered._kp_lru[0].order) == 3
+
+
+def test_key_refinement_over_the_tiered_cache_serves_resident_key_pages_and_caps_the_rest() -> None:
+    """Flexible R = 2 with Key refinement under the cache's residency: every refined token of a promoted or open
+    Key page reads at depth W, the others at their channels' resident depth (caps counted in ``kr_caps``, the
+    unlimited choice kept); with every Key page and channel-plane promoted it equals the all-GPU read bit for
+    bit."""
+    codec, codes, q = _data()
+    spec = codec.spec
+    policy = ReadPolicy.flexible(2.0, 0.875, key_refine=0.3)
+    flat = _fill(PlaneKVCache(spec, 2), codes)
+    want, wst = readkv_decode(q, flat, 0, codec, policy)
+    tiered = _fill(TieredCache(spec, 2, _policy(4, 2), max_tokens=512), codes)  # no Key page slots
+    out, st = readkv_decode(q, tiered, 0, codec, policy, residency=tiered.residency(0))
+    for b, t in enumerate(LENGTHS):
+        wanted, full = st.extra["kr_wanted"][b], st.extra["kr_full"][b]
+        sealed = t // spec.page_size * spec.page_size
+        assert bool(wanted[:, :sealed].any()) and not bool(full[:, :sealed].any())  # capped on sealed pages
+        assert torch.equal(full[:, sealed:], wanted[:, sealed:])  # the open page serves refinement
+    assert float(st.extra["kr_caps"].sum()) > 0
+    assert torch.equal(st.extra["wanted_bits"], st.k_bits + st.v_bits + st.extra["k_caps"] + st.extra["v_caps"]
+                       + st.extra["kr_caps"])
+    # every Key page resident but the channels capped at h_K: refined tokens read at W (as a read of the plain codes
+    # with the same limits), the channel stage capped
+    paged = TieredCache(spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=64 << 20, key_page_bytes=16 << 20)
+    _fill(paged, codes)
+    sealed_pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(spec.n_kv_heads)
+                    for s in range(t // spec.page_size)]
+    paged.promote_values(0, sealed_pages)
+    paged.promote_key_pages(0, sealed_pages)
+    res = paged.residency(0)
+    out, st = readkv_decode(q, paged, 0, codec, policy, residency=res)
+    assert float(st.extra["k_caps"].sum()) > 0 and float(st.extra["kr_caps"].sum()) == 0
+    kc, vc = codes[0]
+    for b, t in enumerate(LENGTHS):
+        plain, _ = readkv_rows(q[b][:, None], kc[:, :t], vc[:, :t], codec, 0, policy, torch.tensor([t]),
+                               k_max=res.k_depth[b], v_max=res.v_depth(b, t, spec.page_size),
+                               k_page_max=res.k_token_depth(b, t, spec.page_size))
+        assert torch.equal(out[b], plain[:, 0])
+    # everything resident: Key pages for every sealed page, every channel-plane and Value page promoted
+    everything = TieredCache(spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=64 << 20,
+                             key_page_bytes=16 << 20)
+    _fill(everything, codes)
+    hk_n, d = spec.n_kv_heads, spec.head_dim
+    everything.promote_keys(0, [(b, h, c, j) for b in range(2) for h in range(hk_n) for c in range(d)
+                                for j in range(4, 8)])
+    pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(hk_n) for s in range(t // spec.page_size)]
+    everything.promote_values(0, pages)
+    everything.promote_key_pages(0, pages)
+    out, st = readkv_decode(q, everything, 0, codec, policy, residency=everything.residency(0))
+    assert torch.equal(out, want)
+    assert torch.equal(st.k_bits, wst.k_bits) and torch.equal(st.v_bits, wst.v_bits)
+    assert all(torch.equal(a, b) for a, b in zip(st.extra["k_refined"], wst.extra["k_refined"], strict=True))
+    assert float((st.extra["k_caps"] + st.extra["v_caps"] + st.extra["kr_caps"]).sum()) == 0
+
+
+def test_tier_aware_key_refinement_chooses_within_each_tokens_limit() -> None:
+    """``ReadPolicy.tier_aware``: the refinement's benefit and cost stop at each token's limit, so it refines tokens
+    of capped pages too, never reads past the residency (the cache would refuse), stays within the budget, and
+    still reports the unlimited choice's caps."""
+    codec, codes, q = _data()
+    policy = ReadPolicy.flexible(2.0, 0.875, key_refine=0.3, tier_aware=True)
+    tiered = _fill(TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512), codes)
+    out, st = readkv_decode(q, tiered, 0, codec, policy, residency=tiered.residency(0))
+    assert torch.isfinite(out).all()
+    assert st.bits_per_scalar <= policy.rate + 1e-9
+    p = codec.spec.page_size
+    for b, t in enumerate(LENGTHS):
+        sealed = t // p * p
+        assert bool(st.extra["k_refined"][b][:, :sealed].any())  # refined at the channels' resident depth
+        assert not bool(st.extra["kr_full"][b][:, :sealed].any())
+    assert float(st.extra["kr_caps"].sum()) > 0
+    assert torch.equal(st.extra["wanted_bits"], st.k_bits + st.v_bits + st.extra["k_caps"] + st.extra["v_caps"]
+                       + st.extra["kr_caps"])
