@@ -309,8 +309,7 @@ class PlaneWorker:
                 out.append({"system": row.name, "rate": row.rate, "answer": answer, "hit": answer == trial.key,
                             "bits_per_scalar": 16.0 if row.name == "dense" else cache.tally.bits_per_scalar,
                             "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
-                            "tier_bytes": None if tb is None else {"hot": tb.hot, "open": tb.open,
-                                                                   "promotion": tb.promotion, "host": tb.host},
+                            "tier_bytes": None if tb is None else _tier_bytes(tb),
                             "decode_seconds": dt})
             self.stats_.requests["passkey"] = self.stats_.requests.get("passkey", 0) + 1
             return {"context": context, "key": trial.key, "depth": trial.depth, "prefill_seconds": prefill_s,
@@ -327,7 +326,7 @@ class PlaneWorker:
             st.capped_bits += cache.tier_tally.capped_bits
             st.wanted_bits += cache.tier_tally.wanted_bits
             tb = cache.pages.bytes()
-            st.tier_bytes = {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion, "host": tb.host}
+            st.tier_bytes = _tier_bytes(tb)
         st.seconds += seconds
 
     # ---- reporting ----
@@ -369,3 +368,8 @@ def _until_eos(new: torch.Tensor, eos: int | None) -> int:
     """How many of the new tokens [S] a sequence generated: up to and including its first EOS (the rest pads)."""
     hits = (new == eos).nonzero() if eos is not None else new[:0]
     return int(hits[0, 0]) + 1 if hits.numel() else int(new.numel())
+
+
+def _tier_bytes(tb: Any) -> dict[str, int]:
+    """A cache's TierBytes as a JSON dict."""
+    return {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion, "host": tb.host, "nvme": tb.nvme}

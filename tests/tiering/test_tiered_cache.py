@@ -262,3 +262,34 @@ def test_tier_aware_key_refinement_chooses_within_each_tokens_limit() -> None:
     assert float(st.extra["kr_caps"].sum()) > 0
     assert torch.equal(st.extra["wanted_bits"], st.k_bits + st.v_bits + st.extra["k_caps"] + st.extra["v_caps"]
                        + st.extra["kr_caps"])
+
+
+def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equal(tmp_path) -> None:
+    """A host tier of a few small blocks with a spill tier (POSIX here): sealed blocks move to files, the cache
+    counts them as NVMe bytes, and promoting every Key channel-plane and Value page from there reads the plane
+    cache's codes; without the spill tier the same host tier refuses the pages."""
+    from planekv.tiering import SpillTier
+
+    codec, codes, _ = _data()
+    flat = _fill(PlaneKVCache(codec.spec, 2), codes)
+    block = 4096 + 2 * 1024  # two Key pages of 4 planes x 32 channels x 8 bytes per block
+    spill = SpillTier(tmp_path, capacity_bytes=16 << 20, backend="posix")
+    tiered = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20,
+                         host_bytes=40 * block, spill=spill)
+    tiered.host.block_bytes = block
+    _fill(tiered, codes)
+    tb = tiered.bytes()
+    assert tb.nvme > 0 and tb.host <= 40 * block and list(spill.dir.glob("*.blk"))
+    hk_n, d = codec.spec.n_kv_heads, codec.spec.head_dim
+    for layer in range(2):
+        tiered.promote_keys(layer, [(b, h, c, j) for b in range(2) for h in range(hk_n) for c in range(d)
+                                    for j in range(4, 8)])
+        tiered.promote_values(layer, [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(hk_n)
+                                      for s in range(t // 64)])
+        for b in range(2):
+            assert torch.equal(tiered.read_k(layer, b, 8), flat.read_k(layer, b, 8))
+            assert torch.equal(tiered.read_v(layer, b, 8), flat.read_v(layer, b, 8))
+    no_spill = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, host_bytes=40 * block)
+    no_spill.host.block_bytes = block
+    with pytest.raises(TierFull, match="host tier full"):
+        _fill(no_spill, codes)
