@@ -139,6 +139,9 @@ class TieredCache:
         self.spec = spec
         self.batch_size = batch_size
         self.placement = placement
+        # the budgets it was made with (planekv.tiering.replace makes its successor under another policy with them)
+        self.budgets = {"hot_bytes": hot_bytes, "promotion_bytes": promotion_bytes, "host_bytes": host_bytes,
+                        "k_promotion_share": k_promotion_share, "key_page_bytes": key_page_bytes}
         self.device = torch.device(device)
         self.max_tokens = max_tokens
         self.sequence_ids = sequence_ids or [f"s{b}" for b in range(batch_size)]
