@@ -34,6 +34,7 @@ from ..tiering.errors import (
     BlockTooLarge,
     BlockUndeletable,
     IndexPublishError,
+    PolicyDoesNotFit,
     StoreFull,
     StoreIOError,
     UnknownFrameVersion,
@@ -64,6 +65,7 @@ ERROR_STATUS: dict[type[BaseException], int] = {
     StoreIOError: 507,
     IndexPublishError: 503,
     BlockUndeletable: 503,
+    PolicyDoesNotFit: 409,
 }
 
 _DESCRIPTIONS = {

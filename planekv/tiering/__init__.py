@@ -24,6 +24,7 @@ from .errors import (
     ChecksumMismatch,
     FrameTruncated,
     IndexPublishError,
+    PolicyDoesNotFit,
     StoreFull,
     StoreIOError,
     TierFull,
@@ -41,7 +42,7 @@ from .frame import (
     verify_frame,
 )
 from .host_tier import HostTier
-from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec
+from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec, hot_bytes, hot_page_bytes
 from .prefetch import Prefetcher, PrefetchPlan, StepTally
 from .spill_tier import SpillTier
 from .tiered_cache import TierBytes, TieredCache
@@ -52,7 +53,8 @@ __all__ = [
     "BlockError", "BlockExists", "HostTier", "PrefetchPlan", "Prefetcher", "StepTally", "TierBytes", "TierFull",
     "TieredCache", "tiered_decode_step", "BlockInfo", "BlockKey", "BlockKeyMismatch", "BlockListener", "BlockStore",
     "BlockTooLarge", "BlockUndeletable", "ChecksumMismatch", "FileTier", "FrameHeader", "FrameTruncated", "HotPlanes",
-    "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PosixFileTier",
+    "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PolicyDoesNotFit",
+    "PosixFileTier",
     "PutResult", "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
-    "decode_frame", "decode_header", "encode_frame", "iter_frames", "verify_frame",
+    "decode_frame", "decode_header", "encode_frame", "hot_bytes", "hot_page_bytes", "iter_frames", "verify_frame",
 ]

@@ -1,4 +1,5 @@
-"""Typed errors of the block frame and the block store; services map them to HTTP status codes.
+"""Typed errors of the block frame, the block store and the placement policy; services map them to HTTP
+status codes.
 
 A reader that is handed a frame of the wrong *format* raises :class:`planekv.kvstore.FormatMismatch`
 (the core library's error); everything else about a bad frame is a :class:`BlockError` below.
@@ -72,3 +73,8 @@ class IndexPublishError(BlockError):
 
 class TierFull(BlockError):
     """A bounded tier has no room for more data (raise its capacity, or free sequences)."""
+
+
+class PolicyDoesNotFit(PlaneKVError):
+    """A placement policy's hot planes, over the caches registered under it, need more bytes than its GPU tier
+    holds (``planekv.tiering.placement.hot_bytes``); the message names both numbers and what to change."""

@@ -6,9 +6,13 @@ this package) read the active version. Validated here, so every consumer sees th
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from ..kvstore import FormatSpec
 
 TierName = Literal["gpu", "memory", "file", "store"]
 # Fastest first: a policy's tier order must follow it (a tier may be left out).
@@ -99,6 +103,10 @@ class PlacementPolicy(BaseModel):
                 return o.hot_planes
         return self.hot_planes
 
+    def capacity(self, tier: str) -> int | None:
+        """``capacity_bytes`` of the tier named ``tier`` (e.g. "gpu"), or None if the policy has no such tier."""
+        return next((t.capacity_bytes for t in self.tiers if t.name == tier), None)
+
     def check_format(self, n_layers: int, width: int) -> None:
         """Raise ValueError unless the policy fits a format of ``n_layers`` layers and width W."""
         if width != self.width:
@@ -106,3 +114,24 @@ class PlacementPolicy(BaseModel):
         bad = sorted(layer for o in self.layer_overrides for layer in o.layers if layer >= n_layers)
         if bad:
             raise ValueError(f"layer overrides name layers {bad}, but the format has {n_layers} layers")
+
+
+def hot_page_bytes(policy: PlacementPolicy, spec: FormatSpec) -> int:
+    """Bytes of the hot planes of one page (``spec.page_size`` tokens of one KV head) summed over every layer:
+    per layer l, h_K(l) x d x P/8 (Key planes [h_K, d, P/8]) + h_V(l) x P x d/8 (Value planes [h_V, P, d/8]).
+    The same number as ``TieredCache.hot_page_bytes``. Raises ValueError if the policy does not fit the format
+    (``check_format``: width, layer overrides), as the cache's constructor does."""
+    policy.check_format(spec.n_layers, spec.width)
+    p, d = spec.page_size, spec.head_dim
+    return sum(h.k * d * (p // 8) + h.v * p * (d // 8) for h in (policy.hot(layer) for layer in range(spec.n_layers)))
+
+
+def hot_bytes(policy: PlacementPolicy, spec: FormatSpec, n_tokens: int) -> int:
+    """GPU bytes of the hot planes of ``n_tokens`` tokens of one sequence in format ``spec`` under ``policy``:
+    ceil(n_tokens / P) pages per KV head, times ``spec.n_kv_heads``, times :func:`hot_page_bytes`. This is the
+    hot pool a ``TieredCache`` of that one sequence holds once its ``n_tokens`` tokens are appended (its hot
+    pool is a whole number of pages). Raises ValueError if ``n_tokens`` < 0 or the policy does not fit the
+    format."""
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    return math.ceil(n_tokens / spec.page_size) * spec.n_kv_heads * hot_page_bytes(policy, spec)

@@ -11,12 +11,14 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, HTTPException, Query
 from starlette.responses import Response
 
+from ...tiering.placement import PlacementPolicy
 from .. import index as ix
 from ..common import error_responses
 from ..request_body import FiniteJSONRoute
 from .context import Context
 from .encoding import timestamp
 from .params import SeqId
+from .policy_fit import CacheLoad, check_fit
 from .schemas import CacheDetail, CacheEntry, CacheList, CacheRegister, TierPlanes
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"], route_class=FiniteJSONRoute)
@@ -49,12 +51,14 @@ async def _cache_detail(redis: aioredis.Redis, seq: str) -> CacheDetail:
                        **error_responses(400, 409, 503)})
 async def register_cache(sequence_id: SeqId, body: CacheRegister, ctx: Context) -> Response:
     """Register a sequence with its format (and optionally its length, policy, hot planes).
-    A sequence has one format: another one answers 409."""
+    A sequence has one format: another one answers 409. A length that would take the hot planes of the
+    caches under its policy past the active version's gpu tier answers 409 (``policy_fit``)."""
     if not await ctx.redis.exists(ix.k_format(body.format_id)):
         raise HTTPException(400, f"format {body.format_id} is not registered; register it first "
                                  "(PUT /v1/formats/{format_id})")
     if body.policy is not None and not await ctx.redis.exists(ix.k_policy(body.policy)):
         raise HTTPException(400, f"policy {body.policy} does not exist; create it first (POST /v1/policies)")
+    await _check_fit(ctx.redis, sequence_id, body)
     args: list[Any] = [body.format_id, timestamp(), sequence_id]
     if body.n_tokens is not None:
         args += ["n_tokens", body.n_tokens]
@@ -71,6 +75,23 @@ async def register_cache(sequence_id: SeqId, body: CacheRegister, ctx: Context) 
         raise
     detail = await _cache_detail(ctx.redis, sequence_id)
     return Response(detail.model_dump_json(), 201 if created else 200, media_type="application/json")
+
+
+async def _check_fit(redis: aioredis.Redis, seq: str, body: CacheRegister) -> None:
+    """The registration as it will be stored (a field left out keeps its registered value) checked against
+    the active version of its policy."""
+    old_policy, old_n = await redis.hmget(ix.k_cache(seq), "policy", "n_tokens")
+    policy = body.policy if body.policy is not None else old_policy
+    n_tokens = body.n_tokens if body.n_tokens is not None else (int(old_n) if old_n else None)
+    if not policy or not n_tokens:
+        return
+    active = await redis.hget(ix.k_policy(policy), "active")
+    raw = await redis.lindex(ix.k_policy(policy, "versions"), int(active) - 1) if active else None
+    if raw is None:
+        return
+    await check_fit(redis, policy, PlacementPolicy.model_validate(json.loads(raw)["policy"]),
+                    f"registering cache {seq} ({n_tokens} tokens) under policy {policy} (active version {active})",
+                    CacheLoad(seq, body.format_id, n_tokens))
 
 
 @router.get("", response_model=CacheList, responses=error_responses(503))

@@ -21,6 +21,7 @@ from ..request_body import FiniteJSONRoute
 from .context import Context
 from .encoding import canonical_json, timestamp
 from .params import PolicyName
+from .policy_fit import check_fit
 from .routes_formats import format_entry
 from .schemas import (
     PolicyActivate,
@@ -44,17 +45,19 @@ def _version_doc(policy: PlacementPolicy, comment: str) -> tuple[str, str]:
     return canonical_json({"policy": pol, "comment": comment, "sha256": sha, "created_at": time.time()}), sha
 
 
-async def _validate_policy(redis: aioredis.Redis, policy: PlacementPolicy) -> None:
-    if policy.format_id is None:
-        return
-    entry = await format_entry(redis, policy.format_id)
-    if entry is None:
-        raise HTTPException(400, f"the policy names format {policy.format_id}, which is not registered; "
-                                 "register it first (PUT /v1/formats/{format_id})")
-    try:
-        policy.check_format(entry.spec["n_layers"], entry.spec["width"])
-    except ValueError as exc:
-        raise HTTPException(400, f"the policy does not fit format {policy.format_id}: {exc}") from None
+async def _validate_policy(redis: aioredis.Redis, name: str, policy: PlacementPolicy, what: str) -> None:
+    """The checks every route runs before a version is stored or made active: the bound format (if any) and
+    the fit of the hot planes of the caches registered under ``name`` in the gpu tier (``policy_fit``)."""
+    if policy.format_id is not None:
+        entry = await format_entry(redis, policy.format_id)
+        if entry is None:
+            raise HTTPException(400, f"the policy names format {policy.format_id}, which is not registered; "
+                                     "register it first (PUT /v1/formats/{format_id})")
+        try:
+            policy.check_format(entry.spec["n_layers"], entry.spec["width"])
+        except ValueError as exc:
+            raise HTTPException(400, f"the policy does not fit format {policy.format_id}: {exc}") from None
+    await check_fit(redis, name, policy, what)
 
 
 def _keys(name: str) -> list[str]:
@@ -96,7 +99,7 @@ async def _summary_or_404(redis: aioredis.Redis, name: str) -> PolicySummary:
 @router.post("", status_code=201, response_model=PolicySummary, responses=error_responses(400, 409, 503))
 async def create_policy(body: PolicyCreate, ctx: Context) -> PolicySummary:
     """Create a policy; its first version is active."""
-    await _validate_policy(ctx.redis, body.policy)
+    await _validate_policy(ctx.redis, body.name, body.policy, f"policy {body.name}")
     doc, sha = _version_doc(body.policy, body.comment)
     ok = await ctx.scripts.policy_create(keys=[*_keys(body.name), ix.K_POLICIES, ix.CHANNEL_POLICY],
                                          args=[body.name, doc, timestamp(), sha])
@@ -108,11 +111,12 @@ async def create_policy(body: PolicyCreate, ctx: Context) -> PolicySummary:
 
 @router.put("/{name}", status_code=201, response_model=PolicyVersion,
             responses={200: {"model": PolicyVersion, "description": "identical to the latest version"},
-                       **error_responses(400, 404, 503)})
+                       **error_responses(400, 404, 409, 503)})
 async def update_policy(name: PolicyName, body: PolicyUpdate, ctx: Context) -> Response:
     """Add a version (201); the same document as the latest answers 200 with no new version.
-    ``activate: true`` also activates it."""
-    await _validate_policy(ctx.redis, body.policy)
+    ``activate: true`` also activates it. A version whose hot planes do not fit the gpu tier (with the caches
+    registered under this policy) is refused, 409, activated or not."""
+    await _validate_policy(ctx.redis, name, body.policy, f"the new version of policy {name}")
     doc, sha = _version_doc(body.policy, body.comment)
     version, created = await ctx.scripts.policy_update(keys=[*_keys(name), ix.CHANNEL_POLICY],
                                                        args=[name, doc, timestamp(), sha,
@@ -161,9 +165,20 @@ async def get_version(name: PolicyName, version: Annotated[int, PathParam(ge=1, 
     return v
 
 
-@router.post("/{name}/activate", response_model=PolicySummary, responses=error_responses(404, 503))
+async def _check_version(ctx: Context, name: str, version: int) -> None:
+    """Run the route checks on a stored version about to become active (caches may have grown since it was
+    added); 404 if it does not exist."""
+    v = await _version(ctx.redis, name, version)
+    if v is None:
+        raise HTTPException(404, f"policy {name} has no version {version}")
+    await _validate_policy(ctx.redis, name, v.policy, f"version {version} of policy {name}")
+
+
+@router.post("/{name}/activate", response_model=PolicySummary, responses=error_responses(400, 404, 409, 503))
 async def activate(name: PolicyName, body: PolicyActivate, ctx: Context) -> PolicySummary:
-    """Make ``version`` the active one (idempotent)."""
+    """Make ``version`` the active one (idempotent); refused (409) if it does not fit the gpu tier."""
+    await _summary_or_404(ctx.redis, name)
+    await _check_version(ctx, name, body.version)
     res = await ctx.scripts.policy_activate(keys=[*_keys(name), ix.CHANNEL_POLICY],
                                             args=[name, body.version, timestamp()])
     if res == -1:
@@ -173,14 +188,24 @@ async def activate(name: PolicyName, body: PolicyActivate, ctx: Context) -> Poli
     return await _summary_or_404(ctx.redis, name)
 
 
-@router.post("/{name}/rollback", response_model=PolicySummary, responses=error_responses(404, 409, 503))
+@router.post("/{name}/rollback", response_model=PolicySummary, responses=error_responses(400, 404, 409, 503))
 async def rollback(name: PolicyName, ctx: Context) -> PolicySummary:
-    """Undo the last activation: the version active before it becomes active again."""
-    res = await ctx.scripts.policy_rollback(keys=[*_keys(name), ix.CHANNEL_POLICY], args=[name, timestamp()])
+    """Undo the last activation: the version active before it becomes active again, unless it no longer fits
+    the gpu tier (409)."""
+    await _summary_or_404(ctx.redis, name)
+    target = await ctx.redis.lindex(ix.k_policy(name, "stack"), -2)
+    if target is not None:
+        await _check_version(ctx, name, int(target))
+    # the script rolls back only onto the version checked here (another activation in between: -3)
+    res = await ctx.scripts.policy_rollback(keys=[*_keys(name), ix.CHANNEL_POLICY],
+                                            args=[name, timestamp(), target or ""])
     if res == -1:
         raise HTTPException(404, f"policy {name} does not exist; create it with POST /v1/policies")
     if res == -2:
         raise HTTPException(409, f"policy {name} has no earlier activation to roll back to")
+    if res == -3:
+        raise HTTPException(409, f"policy {name} was activated by another request during this rollback; nothing "
+                                 "was rolled back: read /active and retry")
     return await _summary_or_404(ctx.redis, name)
 
 
