@@ -78,6 +78,8 @@ def write_k_planes(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tenso
     page), offsets [m] (its position in the page), bits [Hkv, m, d, n] (0/1, pool plane order). The pages'
     bytes at these tokens must be zero (free pages are; no position is written twice), so a sum is the OR."""
     hk, m, d, n = bits.shape
+    if n == 0 or m == 0:  # no planes (a tier holding none of them) or no tokens: nothing to write
+        return
     p8 = pool.shape[3]
     dev = pool.device
     vals = bits << (offsets % 8).to(device=dev, dtype=torch.uint8)[None, :, None, None]
@@ -93,6 +95,8 @@ def write_v_planes(pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tenso
     """Write Value rows into V pages: pool [pages, n, P, d/8] (or [pages, n/g, P, g, d/8] with ``v_run`` = g),
     pages [Hkv, m], offsets [m], bits [Hkv, m, d, n] (0/1, pool plane order); each (plane, token) row whole."""
     hk, m, d, n = bits.shape
+    if n == 0 or m == 0:  # no planes (a tier holding none of them) or no tokens: nothing to write
+        return
     dev = pool.device
     rows = pack_bits(bits.permute(0, 1, 3, 2))  # [Hkv, m, n, d/8]
     j = torch.arange(n, device=dev)

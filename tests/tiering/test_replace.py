@@ -27,7 +27,8 @@ def _every_code_equal(cache: TieredCache, flat: PlaneKVCache) -> None:
             assert torch.equal(k, flat.read_k(layer, b, 8)) and torch.equal(v, flat.read_v(layer, b, 8))
 
 
-@pytest.mark.parametrize("before,after", [((4, 2), (2, 2)), ((2, 2), (6, 4)), ((4, 2), (8, 8)), ((8, 8), (3, 2))])
+@pytest.mark.parametrize("before,after", [((4, 2), (2, 2)), ((2, 2), (6, 4)), ((4, 2), (8, 8)), ((8, 8), (3, 2)),
+                                          ((4, 2), (4, 0)), ((0, 0), (4, 2))])
 def test_every_code_moves_to_the_new_placement(before, after, tmp_path) -> None:
     codec, codes, _ = _data()
     flat = _fill(PlaneKVCache(codec.spec, 2), codes)
