@@ -5,7 +5,8 @@ Today: the block frame (:mod:`.frame`), the memory and POSIX file tiers (:mod:`.
 block store over them (:mod:`.blockstore`), which the store service serves over HTTP; the
 PlacementPolicy document (:mod:`.placement`) that the control plane versions; the tiered cache
 (:mod:`.tiered_cache`: hot planes on the device, sealed pages' refinement planes in the bounded host
-tier of :mod:`.host_tier`, a promotion cache between), prefetch (:mod:`.prefetch`) and the tiered
+tier of :mod:`.host_tier`, a promotion cache between; below it the spill tier of :mod:`.spill_tier` and the
+remote tier of :mod:`.remote_tier`, written by :mod:`.remote_writer`), prefetch (:mod:`.prefetch`) and the tiered
 decode step of the torch reference (:mod:`.decode`). docs/TIERING.md is the design.
 """
 
@@ -25,6 +26,8 @@ from .errors import (
     FrameTruncated,
     IndexPublishError,
     PolicyDoesNotFit,
+    RemoteBlockMissing,
+    RemoteQueueFull,
     StoreFull,
     StoreIOError,
     TierFull,
@@ -44,6 +47,8 @@ from .frame import (
 from .host_tier import HostTier
 from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec, hot_bytes, hot_page_bytes
 from .prefetch import Prefetcher, PrefetchPlan, StepTally
+from .remote_tier import RemoteTier
+from .remote_writer import RemoteWriter, RemoteWriterStats
 from .spill_tier import SpillTier
 from .tiered_cache import TierBytes, TieredCache
 from .tiers import FILE, MEMORY, FileTier, MemoryTier, PosixFileTier
@@ -55,6 +60,7 @@ __all__ = [
     "BlockTooLarge", "BlockUndeletable", "ChecksumMismatch", "FileTier", "FrameHeader", "FrameTruncated", "HotPlanes",
     "IndexPublishError", "LayerOverride", "Lease", "MemoryTier", "PlacementPolicy", "PolicyDoesNotFit",
     "PosixFileTier",
-    "PutResult", "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
+    "PutResult", "RemoteBlockMissing", "RemoteQueueFull", "RemoteTier", "RemoteWriter", "RemoteWriterStats",
+    "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
     "decode_frame", "decode_header", "encode_frame", "hot_bytes", "hot_page_bytes", "iter_frames", "verify_frame",
 ]

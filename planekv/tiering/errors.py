@@ -78,3 +78,12 @@ class TierFull(BlockError):
 class PolicyDoesNotFit(PlaneKVError):
     """A placement policy's hot planes, over the caches registered under it, need more bytes than its GPU tier
     holds (``planekv.tiering.placement.hot_bytes``); the message names both numbers and what to change."""
+
+
+class RemoteQueueFull(BlockError):
+    """The remote tier's write queue stayed full (its byte or block bound) past the submit timeout: the remote
+    tier is slower than blocks are sealed. The block is kept locally; nothing is lost."""
+
+
+class RemoteBlockMissing(BlockError):
+    """A block held only by the remote tier is not there any more (deleted or lost by the store)."""

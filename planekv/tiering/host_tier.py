@@ -10,18 +10,28 @@ Bounded: the blocks of every stream together never exceed ``capacity_bytes``. Wi
 (``planekv.tiering.SpillTier``, NVMe) a block that does not fit makes room by moving the least recently read
 sealed blocks there (their pages then read from the file, checked); without one, or when the spill tier is full
 too, the page is refused with ``TierFull`` and nothing already stored is touched.
+
+With a remote tier (``remote=``, a ``planekv.tiering.RemoteWriter`` over a ``RemoteTier``, e.g. the store service)
+every sealed block is also queued for writing there (write-behind); when memory is full and the spill tier cannot
+make room (or there is none), sealed blocks whose remote write has completed are dropped from memory, least
+recently read first, and their pages are read back from the remote tier (the frame verified against its key).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import TierFull
-from .frame import HEADER_BYTES, BlockKey, aligned, frame_header
+from ..kvstore.errors import FormatMismatch
+from .errors import BlockCorrupt, BlockError, RemoteBlockMissing, TierFull
+from .frame import HEADER_BYTES, BlockKey, aligned, frame_header, verify_frame
+from .remote_writer import RemoteWriter
 from .spill_tier import SpillTier
+
+log = logging.getLogger(__name__)
 
 StreamKey = tuple[str, str, int, int]  # (sequence id, "k" | "v", layer, KV head)
 
@@ -30,10 +40,11 @@ StreamKey = tuple[str, str, int, int]  # (sequence id, "k" | "v", layer, KV head
 class _Block:
     first_slot: int  # page slot (position in its sequence) of the block's first page
     buf: torch.Tensor | None  # uint8 [HEADER_BYTES + room for pages x page bytes, padded to 4 KiB]; grows while
-    #                           open; None once spilled
+    #                           open; None once spilled or held only remotely
     n_pages: int = 0
     key: BlockKey | None = None  # set when sealed (framed)
     last_read: int = 0  # the tier's read counter when a page of it was last read (or it was sealed)
+    remote_only: bool = False  # dropped from memory: its only copy is the remote tier's
 
 
 @dataclass
@@ -47,7 +58,7 @@ class HostTier:
     """Sealed pages' refinement planes, per stream, in framed blocks of ``block_bytes`` (>= one page)."""
 
     def __init__(self, format_id: str, capacity_bytes: int, block_bytes: int = 4 << 20, pinned: bool = False,
-                 spill: SpillTier | None = None) -> None:
+                 spill: SpillTier | None = None, remote: RemoteWriter | None = None) -> None:
         if capacity_bytes < 0 or block_bytes <= HEADER_BYTES:
             raise ValueError(f"capacity_bytes must be >= 0 and block_bytes > {HEADER_BYTES}, got "
                              f"{capacity_bytes} and {block_bytes}")
@@ -56,6 +67,9 @@ class HostTier:
         self.block_bytes = block_bytes
         self.pinned = pinned
         self.spill = spill
+        self.remote = remote
+        self.remote_skipped = 0  # sealed blocks not queued for the remote tier (its queue stayed full)
+        self.remote_fetches = 0  # frames read back from the remote tier
         self._streams: dict[StreamKey, _Stream] = {}
         self._used = 0
         self._reads = 0
@@ -70,6 +84,12 @@ class HostTier:
     def spilled_bytes(self) -> int:
         """Bytes of this tier's blocks in the spill tier."""
         return self.spill.used_bytes if self.spill is not None else 0
+
+    @property
+    def remote_only_bytes(self) -> int:
+        """Bytes of this tier's blocks held only by the remote tier (frames dropped from memory)."""
+        return sum(HEADER_BYTES + aligned(b.n_pages * st.page_bytes) for st in self._streams.values()
+                   for b in st.blocks if b.remote_only)
 
     def pages_per_block(self, page_bytes: int) -> int:
         return max(1, (self.block_bytes - HEADER_BYTES) // page_bytes)
@@ -114,9 +134,17 @@ class HostTier:
         """A zeroed block buffer of ``size`` bytes (pinned on CUDA hosts), counted; room is made by spilling sealed
         blocks where there is a spill tier; TierFull if it does not fit."""
         if self._used + size > self.capacity_bytes and self.spill is not None:
-            self._spill_for(size)
+            try:
+                self._spill_for(size)
+            except TierFull:
+                if self.remote is None:
+                    raise
+        if self._used + size > self.capacity_bytes and self.remote is not None:
+            self._drop_remote_written(size)
         if self._used + size > self.capacity_bytes:
             where = " and the spill tier's sealed blocks cannot make room" if self.spill is not None else ""
+            if self.remote is not None:
+                where += " and no sealed block in memory has been written to the remote tier"
             raise TierFull(f"host tier full: {self._used} of {self.capacity_bytes} bytes used, a block needs "
                            f"{size}{where}; raise the memory tier's capacity or free sequences")
         buf = torch.zeros(size, dtype=torch.uint8)
@@ -131,6 +159,12 @@ class HostTier:
         blk.buf[:HEADER_BYTES] = torch.frombuffer(bytearray(frame_header(key, payload)), dtype=torch.uint8)
         blk.key = key
         blk.last_read = self._reads
+        if self.remote is not None:  # write-behind copy; the block stays here until the write completes
+            try:
+                self.remote.submit(bytes(blk.buf[: HEADER_BYTES + aligned(blk.n_pages * st.page_bytes)].numpy()))
+            except Exception as exc:  # noqa: BLE001 - RemoteQueueFull, a closed writer: the page is stored already
+                self.remote_skipped += 1
+                log.warning("host tier: %s not queued for the remote tier, kept in memory only: %s", key, exc)
 
     def _spill_for(self, size: int) -> None:
         """Move sealed blocks, least recently read first, to the spill tier until ``size`` more bytes fit (or no
@@ -150,6 +184,52 @@ class HostTier:
             self._used -= blk.buf.numel()
             blk.buf = None
 
+    def _drop_remote_written(self, size: int) -> None:
+        """Drop sealed blocks in memory whose remote write has completed, least recently read first, until ``size``
+        more bytes fit (or none is left). Where that is not enough and writes are pending, waits for them (up to
+        the writer's ``submit_timeout_s``: back-pressure) and tries once more."""
+        assert self.remote is not None
+        self._drop_written(size)
+        if self._used + size > self.capacity_bytes and self.remote.stats.queued_blocks:
+            try:
+                self.remote.flush(self.remote.submit_timeout_s)
+            except TimeoutError as exc:
+                log.warning("host tier full, remote writes pending: %s", exc)
+            self._drop_written(size)
+
+    def _drop_written(self, size: int) -> None:
+        assert self.remote is not None
+        sealed = sorted(((b.last_read, k, i) for k, st in self._streams.items() for i, b in enumerate(st.blocks)
+                         if b.key is not None and b.buf is not None), key=lambda t: t[0])
+        for _, stream, i in sealed:
+            if self._used + size <= self.capacity_bytes:
+                return
+            blk = self._streams[stream].blocks[i]
+            assert blk.buf is not None and blk.key is not None
+            if self.remote.is_written(blk.key):
+                self._used -= blk.buf.numel()
+                blk.buf = None
+                blk.remote_only = True
+
+    def _fetch_remote(self, blk: _Block) -> torch.Tensor:
+        """The frame of a block held only remotely (uint8 [frame bytes]), verified against its key; cached back
+        in memory when it fits without dropping anything. RemoteBlockMissing / BlockCorrupt: never wrong bytes."""
+        assert self.remote is not None and blk.key is not None
+        frame = self.remote.tier.get_frame(blk.key)
+        self.remote_fetches += 1
+        if frame is None:
+            raise RemoteBlockMissing(f"block {blk.key} is held only by the remote tier, which no longer has it")
+        try:
+            verify_frame(frame, blk.key)
+        except (BlockError, FormatMismatch) as exc:
+            raise BlockCorrupt(f"the remote tier's frame of {blk.key} does not check: {exc}") from exc
+        buf = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        if self._used + buf.numel() <= self.capacity_bytes:
+            blk.buf = buf.pin_memory() if self.pinned else buf
+            self._used += buf.numel()
+            blk.remote_only = False
+        return buf
+
     def page(self, stream: StreamKey, slot: int) -> torch.Tensor:
         """The bytes of the page at ``slot`` (uint8 [page bytes]: a view in memory, a fresh tensor read from the
         spill tier); KeyError if it is not held, BlockCorrupt if its spilled bytes do not check."""
@@ -160,10 +240,14 @@ class HostTier:
                     if blk.first_slot <= slot < blk.first_slot + blk.n_pages:
                         self._reads += 1
                         blk.last_read = self._reads
+                        off = HEADER_BYTES + (slot - blk.first_slot) * st.page_bytes
+                        if blk.remote_only:
+                            buf = self._fetch_remote(blk)
+                            return blk.buf[off: off + st.page_bytes] if blk.buf is not None else \
+                                buf[off: off + st.page_bytes].clone()
                         if blk.buf is None:  # spilled
                             assert self.spill is not None and blk.key is not None
                             return self.spill.read_page(blk.key, slot - blk.first_slot)
-                        off = HEADER_BYTES + (slot - blk.first_slot) * st.page_bytes
                         return blk.buf[off: off + st.page_bytes]
         raise KeyError(f"the host tier holds no page {slot} of {stream}")
 
@@ -176,7 +260,10 @@ class HostTier:
         for b in st.blocks:
             if b.key is None:
                 continue
-            if b.buf is None:  # spilled
+            if b.remote_only:
+                with self._lock:
+                    out.append((b.key, self._fetch_remote(b)[: HEADER_BYTES + aligned(b.n_pages * st.page_bytes)]))
+            elif b.buf is None:  # spilled
                 assert self.spill is not None
                 out.append((b.key, torch.frombuffer(bytearray(self.spill.read_frame(b.key)), dtype=torch.uint8)))
             else:
@@ -184,14 +271,16 @@ class HostTier:
         return out
 
     def drop_sequence(self, sequence_id: str) -> int:
-        """Free every block of a sequence; returns the bytes freed."""
+        """Free every block of a sequence (their remote copies too, best effort); returns the bytes freed."""
         with self._lock:
             gone = [k for k in self._streams if k[0] == sequence_id]
             freed = sum(b.buf.numel() for k in gone for b in self._streams[k].blocks if b.buf is not None)
             for k in gone:
                 for b in self._streams[k].blocks:
-                    if b.buf is None and b.key is not None and self.spill is not None:
+                    if b.buf is None and not b.remote_only and b.key is not None and self.spill is not None:
                         self.spill.delete(b.key)
+                    if b.key is not None and self.remote is not None:
+                        self.remote.discard(b.key)
                 del self._streams[k]
             self._used -= freed
         return freed

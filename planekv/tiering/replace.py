@@ -61,7 +61,12 @@ def replace_placement(cache: TieredCache, policy: PlacementPolicy) -> TieredCach
     """A new TieredCache under ``policy`` (same format, batch, tokens, budgets and sequence ids; a spill tier of
     the same root and capacity) holding every code of ``cache``, which is then freed. Anything that fails leaves
     ``cache`` as it was (the exceptions TieredCache raises: a policy that does not fit the format, CacheFull,
-    TierFull)."""
+    TierFull). A cache with a remote tier is refused (NotImplementedError) before anything is made: the new cache's
+    blocks would share keys with the old one's where a layer's hot planes do not change, and freeing the old cache
+    deletes their remote copies."""
+    if cache.host.remote is not None:
+        raise NotImplementedError("replace_placement does not move a cache with a remote tier yet (the old and new "
+                                  "caches' remote copies share keys); make the new cache and refill it instead")
     old_spill = cache.host.spill
     spill = None if old_spill is None else SpillTier(old_spill.root, old_spill.capacity_bytes, old_spill.backend,
                                                      old_spill.fsync)

@@ -44,6 +44,7 @@ from ..kvstore.planes import (
 from ..kvstore.tiered_pools import TieredPools
 from .host_tier import HostTier
 from .placement import PlacementPolicy
+from .remote_writer import RemoteWriter
 from .spill_tier import SpillTier
 
 MiB = 1 << 20
@@ -58,6 +59,7 @@ class TierBytes:
     promotion: int  # the promotion cache, K and V, every layer, and the sealed Key pages' slots
     host: int  # the host tier's blocks
     nvme: int = 0  # blocks the host tier spilled to its spill tier (files)
+    remote: int = 0  # blocks held only by the remote tier (dropped from host memory; not local memory)
 
     @property
     def device(self) -> int:
@@ -122,11 +124,13 @@ class TieredCache:
                  device: torch.device | str = "cpu", hot_bytes: int | None = None, promotion_bytes: int = 64 * MiB,
                  host_bytes: int | None = None, k_promotion_share: float = 0.5,
                  sequence_ids: list[str] | None = None, key_page_bytes: int = 0,
-                 spill: SpillTier | None = None) -> None:
+                 spill: SpillTier | None = None, remote: RemoteWriter | None = None) -> None:
         """``promotion_bytes``: the promotion cache (Key channel-planes and Value pages) over every layer;
         ``key_page_bytes``: sealed Key pages for Key refinement over every layer, beside it (0: a refined token
         of a sealed page reads at its channels' resident depths, a cap); ``spill``: where a full host tier moves
-        its least recently read blocks (NVMe files; None: a full host tier refuses pages)."""
+        its least recently read blocks (NVMe files; None: a full host tier refuses pages); ``remote``: the writer
+        of a remote tier (the store service) that takes a copy of every sealed block and serves the blocks a full
+        host tier drops (``HostTier``)."""
         if batch_size < 1 or max_tokens < 1:
             raise ValueError(f"batch_size and max_tokens must be >= 1, got {batch_size} and {max_tokens}")
         placement.check_format(spec.n_layers, spec.width)
@@ -198,7 +202,8 @@ class TieredCache:
             self._v_lru.append(lru)
             self._k_lru.append(_Lru(n_k))
         self.host = HostTier(spec.format_id, (16 << 30) if host_bytes is None else host_bytes,
-                             placement.block_bytes, pinned=self.device.type == "cuda", spill=spill)
+                             placement.block_bytes, pinned=self.device.type == "cuda", spill=spill,
+                             remote=remote)
         self.page_table = torch.full((batch_size, hk_n, 0), -1, dtype=torch.int64)
         self.lengths = torch.zeros((L, batch_size), dtype=torch.int64)
         self._free = list(range(n0 - 1, -1, -1))
@@ -213,7 +218,8 @@ class TieredCache:
 
         return TierBytes(hot=total(self.k_hot) + total(self.v_hot), open=total(self.k_open),
                          promotion=total(self.k_promo) + total(self.v_promo) + total(self.kp_promo)
-                         - total(self.k_open), host=self.host.used_bytes, nvme=self.host.spilled_bytes)
+                         - total(self.k_open), host=self.host.used_bytes, nvme=self.host.spilled_bytes,
+                         remote=self.host.remote_only_bytes)
 
     def promoted_bytes(self) -> int:
         """Bytes of the promotion cache in use now: promoted Key channel-planes, sealed Value pages and sealed Key

@@ -293,3 +293,58 @@ def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equa
     no_spill.host.block_bytes = block
     with pytest.raises(TierFull, match="host tier full"):
         _fill(no_spill, codes)
+
+
+class _DictRemote:
+    """A RemoteTier in a dict (tests/tiering/test_remote_tier.py tests the writer and the host tier on their own)."""
+
+    def __init__(self) -> None:
+        self.frames: dict[BlockKey, bytes] = {}
+
+    def put_frame(self, frame: bytes) -> None:
+        self.frames[verify_frame(frame).key] = bytes(frame)
+
+    def get_frame(self, key: BlockKey) -> bytes | None:
+        return self.frames.get(key)
+
+    def delete(self, key: BlockKey) -> None:
+        self.frames.pop(key, None)
+
+
+def test_a_host_tier_too_small_with_a_remote_tier_drops_written_blocks_and_everything_promotes_back_equal() -> None:
+    """A host tier of a few small blocks with only a remote tier: every sealed block is written there, the blocks
+    written are dropped from memory (counted as remote bytes), and promoting every Key channel-plane and Value
+    page reads the plane cache's codes; freeing a sequence deletes its remote copies; replace_placement refuses
+    such a cache for now."""
+    from planekv.tiering import RemoteWriter
+    from planekv.tiering.replace import replace_placement
+
+    codec, codes, _ = _data()
+    flat = _fill(PlaneKVCache(codec.spec, 2), codes)
+    block = 4096 + 2 * 1024  # two Key pages of 4 planes x 32 channels x 8 bytes per block
+    remote = _DictRemote()
+    writer = RemoteWriter(remote, submit_timeout_s=10.0)
+    tiered = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20,
+                         host_bytes=40 * block, remote=writer)
+    tiered.host.block_bytes = block
+    _fill(tiered, codes)
+    writer.flush(10.0)
+    tb = tiered.bytes()
+    assert tb.remote > 0 and tb.host <= 40 * block and tb.nvme == 0 and writer.stats.failed == 0
+    assert len(remote.frames) == writer.stats.written > 0
+    hk_n, d = codec.spec.n_kv_heads, codec.spec.head_dim
+    for layer in range(2):
+        tiered.promote_keys(layer, [(b, h, c, j) for b in range(2) for h in range(hk_n) for c in range(d)
+                                    for j in range(4, 8)])
+        tiered.promote_values(layer, [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(hk_n)
+                                      for s in range(t // 64)])
+        for b in range(2):
+            assert torch.equal(tiered.read_k(layer, b, 8), flat.read_k(layer, b, 8))
+            assert torch.equal(tiered.read_v(layer, b, 8), flat.read_v(layer, b, 8))
+    assert tiered.host.remote_fetches > 0
+    with pytest.raises(NotImplementedError, match="remote tier"):
+        replace_placement(tiered, _policy(3, 2))
+    first = tiered.sequence_ids[0]
+    tiered.free(0)
+    assert remote.frames and all(k.sequence_id != first for k in remote.frames)
+    writer.close(10.0)
