@@ -372,4 +372,5 @@ def _until_eos(new: torch.Tensor, eos: int | None) -> int:
 
 def _tier_bytes(tb: Any) -> dict[str, int]:
     """A cache's TierBytes as a JSON dict."""
-    return {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion, "host": tb.host, "nvme": tb.nvme}
+    return {"hot": tb.hot, "open": tb.open, "promotion": tb.promotion, "host": tb.host, "nvme": tb.nvme,
+            "remote": tb.remote}
