@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,11 +75,14 @@ class SystemRow:
     rate: float
     k_share: float | None = None  # flexible reader only
     hot: int | None = None  # ReadKV decode rows: read from a tiered cache with this many hot planes
+    # perplexity: read one token per decode step through PlaneKVHFCache (as passkey decodes), not teacher-forced
+    decode: bool = False
 
     @property
     def key(self) -> str:
         k = f"{self.name}@{self.rate:g}"
         k = k if self.k_share is None else f"{k}/k{self.k_share:g}"
+        k = f"{k}/decode" if self.decode else k
         return k if self.hot is None else f"{k}/h{self.hot}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,6 +108,23 @@ def system_rows(names: Iterable[str], rates: Iterable[float],
     return rows
 
 
+def check_hot_planes(hots: Iterable[int], width: int = 8) -> None:
+    """Refuse ``--tiered-hot`` values outside [0, W] (W planes stored per scalar) before anything loads."""
+    bad = [h for h in hots if not 0 <= h <= width]
+    if bad:
+        raise ValueError(f"--tiered-hot takes hot planes h in [0, {width}] (W = {width} planes stored; h = {width}: "
+                         f"every plane on the device), got {bad}")
+
+
+def tiered_rows(rows: Iterable[SystemRow], hots: Iterable[int], decode: bool = False) -> list[SystemRow]:
+    """``rows``, then for each ReadKV row a copy read from a tiered cache at each of ``hots`` hot planes (read by
+    decode steps when ``decode``)."""
+    rows, hots = list(rows), list(hots)
+    check_hot_planes(hots)
+    return rows + [replace(r, hot=h, decode=decode or r.decode) for r in rows if r.name.startswith("readkv")
+                   for h in hots]
+
+
 def build_system(row: SystemRow, codec: Codec | None) -> KVSystem:
     """The KVSystem of a row (ReadKV rows need the codec)."""
     if row.name in VARIANT_OPTIONS:
@@ -128,6 +148,7 @@ def label(row: SystemRow, system: KVSystem) -> str:
         s += f" + Key refinement {pol.key_refine:g}" if pol.key_refine else ""
         s += f" (blocks of {pol.key_refine_block})" if pol.key_refine and pol.key_refine_block > 1 else ""
         s += " + single-token values" if pol.single_token_values else ""
+        s += ", decode steps" if row.decode else ""
         return s + (f", tiered h = {row.hot}" if row.hot is not None else "")
     return system.name
 

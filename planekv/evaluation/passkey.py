@@ -17,7 +17,6 @@ Runs directly (and as a Ray job entrypoint), in one process:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import random
@@ -36,8 +35,10 @@ from .common import (
     Setup,
     SystemRow,
     build_system,
+    check_hot_planes,
     label,
     system_rows,
+    tiered_rows,
 )
 from .executors import InProcess, add_executor_arguments, check_executor_arguments, open_executor
 from .jobs import job_main, write_json
@@ -264,7 +265,7 @@ def parse_plan(contexts: Sequence[int], systems: Sequence[str], rates: Sequence[
             rows = system_rows(long_systems, long_rates or rates, k_share)
         else:
             rows = system_rows(systems, rates, k_share)
-        plan[c] = rows + [dataclasses.replace(r, hot=h) for r in rows if r.name.startswith("readkv") for h in hots]
+        plan[c] = tiered_rows(rows, hots)
     return plan
 
 
@@ -294,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
     from .report import write_report
 
     check_executor_arguments(args)
+    check_hot_planes(args.tiered_hot)
     trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)

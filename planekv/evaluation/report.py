@@ -33,6 +33,37 @@ def _order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                        order.index(r["name"])))
 
 
+def _decode_note(ppl: dict[str, Any]) -> str:
+    if not any(r.get("decode") or r.get("hot") is not None for r in ppl["rows"]):
+        return ""
+    note = (" Rows marked \"decode steps\" read one token per decode step through the PlaneKV cache instead (every "
+            "token written, then read over the tokens up to it, token 0 included)")
+    if "promotion_mib" in ppl:
+        note += (f"; \"tiered h = N\" rows the same from a tiered cache (N hot planes, a promotion cache of "
+                 f"{ppl['promotion_mib']:g} MiB filled by prefetch after every step, caps counted)")
+    return note + "."
+
+
+def _tiered_table(ppl: dict[str, Any]) -> list[str]:
+    """Each tiered row beside its all-GPU decode row: perplexity, difference, caps and promotion hits."""
+    rows = [r for r in ppl["rows"] if r.get("hot") is not None]
+    if not rows:
+        return []
+    by_key = {r["key"]: r for r in ppl["rows"]}
+    lines = ["Tiered reads (decode steps) against the same decode steps with every plane on the device:", "",
+             "| system | R | h | perplexity | all-GPU perplexity | Δ vs all-GPU | Δ vs all-GPU, pp of dense | "
+             "caps % of wanted bits | past h served by promotion |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = by_key.get(r.get("all_gpu_key", ""))
+        pp = r.get("vs_all_gpu_pp")
+        cells = [r["label"], f"{r['rate']:g}", str(r["hot"]), f"{r['ppl']:.4f}",
+                 "" if base is None else f"{base['ppl']:.4f}",
+                 "" if base is None else f"{r['vs_all_gpu_pct']:+.2f}%", "" if pp is None else f"{pp:+.2f}",
+                 _pct(r.get("cap_rate"), 2), _pct(r.get("promotion_hit_rate"), 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def markdown(out: str | Path) -> str:
     """The Markdown report of everything found in ``out``."""
     out = Path(out)
@@ -47,7 +78,7 @@ def markdown(out: str | Path) -> str:
     if ppl:
         lines += [f"Perplexity: teacher-forced, per-query reads; {ppl['n_windows']} windows of {ppl['window']} tokens "
                   f"of each of {', '.join(ppl['texts'])} ({ppl['tokens_per_row']} predicted tokens per row). "
-                  f"The model's own dense loss gives perplexity {ppl['model_ppl']:.4f}.", ""]
+                  f"The model's own dense loss gives perplexity {ppl['model_ppl']:.4f}." + _decode_note(ppl), ""]
         head = ["system", "R", "perplexity", "Δ vs dense", "read % of dense", "capacity % of dense"]
         head += [f"passkey {c // 1024}K" for c in contexts]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -61,14 +92,16 @@ def markdown(out: str | Path) -> str:
                 cells.append("" if p is None else f"{p['hits']}/{p['trials']}")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += _tiered_table(ppl)
     if pk:
         lines += ["Passkey retrieval (exact match of the 5-digit key; paired trials: the same keys, depths and "
                   "filler for every system; one dense prefill, then decode steps reading the compressed cache).", ""]
-        lines += ["| system | context | hits | hit rate | vs dense | read % of dense (decode steps) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| system | context | hits | hit rate | vs dense | read % of dense (decode steps) | "
+                  "caps % of wanted bits |", "|---|---|---|---|---|---|---|"]
         for r in sorted(pk["rows"], key=lambda r: (r["context"], _order(pk["rows"]).index(r))):
+            caps = _pct(r["cap_rate"], 2) if "cap_rate" in r else ""
             lines.append(f"| {r['label']} | {r['context']} | {r['hits']}/{r['trials']} | {_pct(r['hit_rate'], 0)} | "
-                         f"{_pct(r['vs_dense'], 0)} | {_pct(r['read_fraction'])} |")
+                         f"{_pct(r['vs_dense'], 0)} | {_pct(r['read_fraction'])} | {caps} |")
         lines.append("")
     if split:
         lines += [f"K/V split search (flexible reader) on {split['text']}, {split['n_windows']} windows of "

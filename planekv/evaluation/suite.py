@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, setup, system_rows
+from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, check_hot_planes, setup, system_rows
 from .executors import EXECUTOR_ARGUMENTS, add_executor_arguments, check_executor_arguments, open_executor
 from .jobs import hardware, job_main, write_json
 from .passkey import parse_plan, run_passkey
-from .perplexity import add_setup_arguments, parse_k_share, run_perplexity
+from .perplexity import add_setup_arguments, decode_rows, parse_k_share, run_perplexity
 from .report import write_report
 from .split_search import GRID, freeze, run_split_search
 from .texts import TEST_TEXTS
@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reader", default="reference")
     p.add_argument("--template", default="chat", choices=["chat", "raw"], help="passkey prompt form")
     p.add_argument("--row-chunk", type=int, default=512)
+    p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
+                   help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md): "
+                        "perplexity as decode steps beside the same decode steps all-GPU, passkey decode")
+    p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
     p.add_argument("--skip", nargs="*", default=[], choices=["perplexity", "passkey"], help="jobs to leave out")
     p.add_argument("--resume", action="store_true",
                    help="keep what an earlier run of the same settings left in --out (split search, perplexity, "
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         apply_quick(args)
     check_executor_arguments(args)
+    check_hot_planes(args.tiered_hot)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -120,13 +125,13 @@ def _run_jobs(args: argparse.Namespace, s: Setup, out: Path, meta: dict, prev: d
         k_share = {float(r): v for r, v in sp["k_share"].items()}
         if args.freeze:
             freeze(sp, s.lm.model_id, s.calibration.calibration_id)
-    rows = system_rows(args.systems, args.rates, k_share)
+    rows = decode_rows(system_rows(args.systems, args.rates, k_share), args.tiered_hot)
     if prev is not None and "perplexity" not in args.skip and _has_rows(out / "perplexity.json", rows):
         log.info("perplexity kept from the earlier run")
     elif "perplexity" not in args.skip:
         t0 = time.perf_counter()
         res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk, executor, out,
-                             resume=prev is not None)
+                             resume=prev is not None, promotion_mib=args.promotion_mib)
         res["seconds"] = meta["seconds"]["perplexity"] = time.perf_counter() - t0
         write_json(out / "run.json", meta)
         write_json(out / "perplexity.json", res)
@@ -134,10 +139,11 @@ def _run_jobs(args: argparse.Namespace, s: Setup, out: Path, meta: dict, prev: d
     if "passkey" not in args.skip:
         t0 = time.perf_counter()
         trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
-        plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates, k_share)
+        plan = parse_plan(args.contexts, args.systems, args.rates, args.long_systems, args.long_rates, k_share,
+                          args.tiered_hot)
         res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
                           args.template, on_partial=lambda r: (write_json(out / "passkey.json", r), write_report(out)),
-                          executor=executor, out=out, resume=prev is not None)
+                          promotion_mib=args.promotion_mib, executor=executor, out=out, resume=prev is not None)
         res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0 + meta["seconds"].get("passkey", 0.0)
         write_json(out / "passkey.json", res)
 

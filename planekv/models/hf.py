@@ -373,14 +373,18 @@ class PlaneKVHFCache(Cache):
     and ``tally`` (the logical read of every decode step) never counts them; padding after the prompt is refused.
     With ``tiering`` the ReadKV codes live in a :class:`planekv.tiering.TieredCache` and decode steps read what is
     resident (``tier_tally``: caps and prefetch hits; the "triton" reader runs the FMA stages over it); a tiered
-    cache cannot reorder, select, repeat or crop its sequences yet (NotImplementedError).
+    cache cannot reorder, select, repeat or crop its sequences yet (NotImplementedError). With ``dense_prefill``
+    False the first step reads the cache as later ones do (each token written, then read over the tokens up to it),
+    so that every position reads compressed K/V, as a teacher-forced pass does.
     """
 
     def __init__(self, system: KVSystem, n_layers: int, *, reader: str = "reference",
-                 device: str | torch.device = "cpu", tiering: Tiering | None = None) -> None:
+                 device: str | torch.device = "cpu", tiering: Tiering | None = None,
+                 dense_prefill: bool = True) -> None:
         super().__init__(layers=[])
         self.system = system
         self.tiering = tiering
+        self.dense_prefill = dense_prefill
         self.device = torch.device(device)
         self.layers = [_PlaneKVLayer(self, i) for i in range(n_layers)]
         self.tally = ReadTally()
@@ -555,7 +559,7 @@ class PlaneKVHFCache(Cache):
         layer = self.layers[layer_idx]
         k, v, past = layer.take_unwritten()
         keep = _unpadded(mask, k.shape[0], k.shape[2])  # [B, S]
-        if past == 0:
+        if past == 0 and self.dense_prefill:
             self._store(layer, k, v, keep)
             return None
         if not bool(keep.all()):
@@ -742,11 +746,12 @@ def register_attention() -> None:
 
 
 def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, reader: str = "reference",
-               tiering: Tiering | None = None) -> PlaneKVHFCache:
+               tiering: Tiering | None = None, dense_prefill: bool = True) -> PlaneKVHFCache:
     """A :class:`PlaneKVHFCache` for ``model`` (pass it as ``past_key_values`` to generate/forward). It takes the
     batch of its first step, as DynamicCache does; ``batch_size`` is ignored (kept so that older calls run)."""
     if batch_size is not None:
         warnings.warn("make_cache(batch_size=...) is ignored: the cache takes the batch of its first step",
                       DeprecationWarning, stacklevel=2)
     dev = next(model.parameters()).device
-    return PlaneKVHFCache(system, geometry(model).n_layers, reader=reader, device=dev, tiering=tiering)
+    return PlaneKVHFCache(system, geometry(model).n_layers, reader=reader, device=dev, tiering=tiering,
+                          dense_prefill=dense_prefill)
