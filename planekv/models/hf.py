@@ -350,13 +350,19 @@ def _unpadded(mask: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor
 class Tiering:
     """A tiered cache for a :class:`PlaneKVHFCache` (docs/TIERING.md): ``hot`` planes of every page on the model's
     device (K and V alike), sealed pages' refinement planes in host memory, a promotion cache of
-    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``."""
+    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``. Key pages
+    for Key refinement (``key_page_bytes``), the host tier's size, and the tiers below it (``spill``: a
+    ``planekv.tiering.SpillTier``; ``remote``: a ``planekv.tiering.RemoteWriter``) are passed to the TieredCache."""
 
     hot: int
     max_tokens: int
     promotion_bytes: int = 64 << 20
     prefetch: bool = True
     placement: PlacementPolicy | None = None  # a whole policy (per-layer hot planes); overrides ``hot``
+    key_page_bytes: int = 0
+    host_bytes: int | None = None  # None: the TieredCache's default
+    spill: Any = None
+    remote: Any = None
 
 
 class PlaneKVHFCache(Cache):
@@ -447,8 +453,10 @@ class PlaneKVHFCache(Cache):
             self.pages = PlaneKVCache(spec, batch, device=self.device)
         else:
             assert self._placement is not None
-            self.pages = TieredCache(spec, batch, self._placement, self.tiering.max_tokens, device=self.device,
-                                     promotion_bytes=self.tiering.promotion_bytes)
+            t = self.tiering
+            self.pages = TieredCache(spec, batch, self._placement, t.max_tokens, device=self.device,
+                                     promotion_bytes=t.promotion_bytes, key_page_bytes=t.key_page_bytes,
+                                     host_bytes=t.host_bytes, spill=t.spill, remote=t.remote)
             self._prefetcher = Prefetcher() if self.tiering.prefetch else None
 
     def _refuse_if_tiered(self, operation: str) -> None:

@@ -294,3 +294,26 @@ def test_a_model_without_planekv_attention_is_refused(llama):
     with torch.no_grad():
         expected = model(p[None], use_cache=False).logits[:, -1]
     assert torch.allclose(_step(model, dense, p[None], torch.ones(1, 6, dtype=torch.long)), expected, atol=1e-5)
+
+
+def test_tierings_budgets_and_lower_tiers_reach_the_tiered_cache(llama, tmp_path):
+    """Tiering's Key page budget, host tier size and spill tier are the TieredCache's: a host tier of 0 bytes
+    refuses the first sealed page by name; with room, the cache has Key page slots and the given spill tier."""
+    from planekv.tiering import PlacementPolicy, SpillTier, TierFull
+
+    model, codec = llama
+    ids = _prompts(150)[0][None]
+    spill = SpillTier(tmp_path, 64 << 20, backend="posix")
+    placement = PlacementPolicy(hot_planes={"k": 2, "v": 2}, block_bytes=1 << 20)
+
+    def tiering(host_bytes: int) -> hf.Tiering:
+        return hf.Tiering(hot=2, max_tokens=200, placement=placement, key_page_bytes=16 << 20,
+                          host_bytes=host_bytes, spill=spill)
+
+    cache = hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(4.0)), tiering=tiering(0))
+    with pytest.raises(TierFull, match="host tier full"):
+        _generate(model, cache, ids, new=3)
+    cache = hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(4.0)), tiering=tiering(8 << 20))
+    _generate(model, cache, ids, new=3)
+    assert cache.pages.key_page_slots(0) > 0 and cache.pages.host.spill is spill
+    assert cache.pages.host.capacity_bytes == 8 << 20
