@@ -206,12 +206,16 @@ def _pack_planes_split(p_hot, p_cold, STRIDE: tl.constexpr, NPL: tl.constexpr, H
 
 
 @triton.jit
-def _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, STRIDE: tl.constexpr, NPL: tl.constexpr,
-                   HOT: tl.constexpr, NCOLD: tl.constexpr, NB: tl.constexpr, MAXSLOTS: tl.constexpr):
+def _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, pp_ptr, pbase, STRIDE: tl.constexpr,
+                   NPL: tl.constexpr, HOT: tl.constexpr, NCOLD: tl.constexpr, NB: tl.constexpr,
+                   MAXSLOTS: tl.constexpr):
     """:func:`_pack_planes` (every load runs) of Key channel ``c`` in a tiered cache: planes j < HOT from the hot
     pool (``kb_ptr + rbase + c * NB``, planes STRIDE apart), planes j >= HOT from the promotion cache's
-    channel-plane vectors: slot ``ks_row[c * NCOLD + j - HOT]`` (``_prep`` capped the channel's depth at the
-    promoted planes, so the slot is there), ``vbase`` = page slot x NB + byte within it."""
+    channel-plane vectors where the plane is promoted (slot ``ks_row[c * NCOLD + j - HOT]`` >= 0; ``vbase`` = page
+    slot x NB + byte within it), else from each row's Key page slot (``pp_ptr`` [slots, NCOLD, D, NB];
+    ``pbase`` = Key page slot x NCOLD*D*NB + byte, negative where the page has none). ``_prep`` capped the
+    channel's depth at its residency: its promoted planes, or W where every page of the head has a Key page slot,
+    so one of the two is there."""
     lo = tl.zeros(rbase.shape, dtype=tl.uint32)
     hi = tl.zeros(rbase.shape, dtype=tl.uint32)
     for j in tl.static_range(NPL):
@@ -219,7 +223,11 @@ def _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, STRIDE: tl.constexpr
             bj = tl.load(kb_ptr + rbase + c * NB + j * STRIDE).to(tl.uint32)
         else:
             s = tl.load(ks_row + c * NCOLD + (j - HOT)).to(tl.int64)
-            bj = tl.load(kp_ptr + s * (MAXSLOTS * NB) + vbase).to(tl.uint32)
+            vec = s >= 0
+            from_vec = tl.load(kp_ptr + tl.maximum(s, 0) * (MAXSLOTS * NB) + vbase, mask=(vbase >= 0) & vec,
+                               other=0)
+            from_page = tl.load(pp_ptr + pbase + (j - HOT) * (STRIDE) + c * NB, mask=(pbase >= 0) & ~vec, other=0)
+            bj = (from_vec | from_page).to(tl.uint32)
         if j < 4:
             lo = lo | (bj << (8 * j))
         else:

@@ -80,10 +80,11 @@ def _pack_k(kb_ptr, rbase, c, tier, D: tl.constexpr, NB: tl.constexpr, T: tl.con
             HOT: tl.constexpr, NCOLD: tl.constexpr, MAXSLOTS: tl.constexpr):
     """Planes 0..T-1 of channel ``c`` for the rows at ``rbase``: from the page pool, or (TIERED, T > HOT) the
     hot pool and the promotion cache (``tier`` = (promotion vectors, the head's slot row, page slot x NB +
-    byte per row); :func:`_pack_k_tiered`)."""
+    byte per row, Key page slots, Key page slot x NCOLD*D*NB + byte per row); :func:`_pack_k_tiered`)."""
     if TIERED and T > HOT:
-        kp_ptr, ks_row, vbase = tier
-        return _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, D * NB, T, HOT, NCOLD, NB, MAXSLOTS)
+        kp_ptr, ks_row, vbase, pp_ptr, pbase = tier
+        return _pack_k_tiered(kb_ptr, rbase, c, kp_ptr, ks_row, vbase, pp_ptr, pbase, D * NB, T, HOT, NCOLD, NB,
+                              MAXSLOTS)
     return _pack_planes(kb_ptr + rbase + c * NB, D * NB, T, 0, False)
 
 
@@ -147,7 +148,8 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
                  mstat_ptr, sstat_ptr, scale, SLOTS, TMAX,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  P: tl.constexpr, PPK: tl.constexpr, KLOOP: tl.constexpr, CH: tl.constexpr = 1, kp_ptr=None,
-                 ks_ptr=None, TIERED: tl.constexpr = False, HOT: tl.constexpr = 0, MAXSLOTS: tl.constexpr = 0):
+                 ks_ptr=None, TIERED: tl.constexpr = False, HOT: tl.constexpr = 0, MAXSLOTS: tl.constexpr = 0,
+                 pp_ptr=None, ps_ptr=None):
     """The Key stage on the CUDA cores, tokens across threads and channels in a loop. Program
     (b*Hkv + h, split) covers PPK pages as M = PPK*P/8 rows of 8 tokens, one row per thread. It walks
     the list of the head's channels of depth t > 0 that ``_prep`` writes (kord; kcnt: KSEG words per
@@ -162,8 +164,9 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     hi/lo split; float32 throughout, like the reference reader. CH > 1 (KLOOP 0, small steps): CH
     channels of a segment at a time (:func:`_key_segment_ch`), the slots' sums added at the end. TIERED (a
     tiered cache): ``kb_ptr`` is the hot pool of HOT planes a page and planes >= HOT come from the promotion
-    cache's channel-plane vectors ``kp_ptr`` [slots, MAXSLOTS, NB] at the slots ``ks_ptr`` [B*Hkv, D, W - HOT]
-    (``_prep`` built the channel lists at the resident depths)."""
+    cache's channel-plane vectors ``kp_ptr`` [slots, MAXSLOTS, NB] at the slots ``ks_ptr`` [B*Hkv, D, W - HOT],
+    or, for a plane not promoted there, from the page's Key page slot (``pp_ptr`` [slots, W - HOT, D, NB] at
+    ``ps_ptr`` [pages]) (``_prep`` built the channel lists at the resident depths)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -183,7 +186,10 @@ def _key_stage_f(kb_ptr, pt_ptr, len_ptr, kord_ptr, kcnt_ptr, wf_ptr, base_ptr, 
     NCOLD: tl.constexpr = W - HOT
     if TIERED:  # the hot pool: HOT planes a page; the rows' places in a promoted channel-plane vector
         rbase = page * (HOT * D * NB) + byte
-        tier = (kp_ptr, ks_ptr + pid_bh * (D * NCOLD), tl.where(pvalid, pg, 0).to(tl.int64) * NB + byte)
+        ps = tl.load(ps_ptr + page, mask=pvalid, other=-1).to(tl.int64)  # [R]: each row's Key page slot
+        pbase = tl.where(ps >= 0, ps * (NCOLD * D * NB) + byte, -1)
+        tier = (kp_ptr, ks_ptr + pid_bh * (D * NCOLD), tl.where(pvalid, pg, 0).to(tl.int64) * NB + byte, pp_ptr,
+                pbase)
     else:
         rbase = page * (W * D * NB) + byte  # [R]: plane 0, channel 0 of each row
         tier = None
@@ -265,7 +271,7 @@ def launch(st: Step, k_pool: torch.Tensor, page_table: torch.Tensor, lengths: to
     k, pl, c, ch = st.k, st.plan, st.c, st.ch
     ppk = ch.pages_per_program
     tier = {} if tiers is None else dict(kp_ptr=tiers.k_promo, ks_ptr=tiers.k_slot, TIERED=True, HOT=tiers.hot_k,
-                                         MAXSLOTS=tiers.k_promo.shape[1])
+                                         MAXSLOTS=tiers.k_promo.shape[1], pp_ptr=tiers.kp_promo, ps_ptr=tiers.kp_slot)
     _key_stage_f[(pl.batch * k.hk, pl.n_splits)](
         k_pool, page_table, lengths, pl.kord, pl.kcnt, pl.wf, pl.base, c["tabf"], pl.logits, pl.mstat, pl.sstat,
         st.scale, st.slots, pl.max_tokens, HQ=k.hq, HKV=k.hk, G=k.g, D=k.d, W=k.w, P=k.p, PPK=ppk, KLOOP=ch.key_walk,

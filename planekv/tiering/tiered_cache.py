@@ -506,17 +506,24 @@ class TieredCache:
     # ---- residency and reads ----
 
     def residency(self, layer: int) -> Residency:
-        """What ``layer`` can read now: per Key channel, the hot planes and the promoted ones that follow them;
-        per Value page and per Key page, W if its refinement planes are on the device (promoted, or the open page),
-        else h_V / h_K."""
+        """What ``layer`` can read now: per Key channel, the hot planes and the promoted ones that follow them, or W
+        where every page of the head (``length(layer, b)`` tokens) has its Key page on the device (open or in a Key
+        page slot), whichever is deeper; per Value page and per Key page, W if its refinement planes are on the
+        device (promoted, or the open page), else h_V / h_K."""
         hk, hv, w = self.hot_k[layer], self.hot_v[layer], self.spec.width
+        p = self.spec.page_size
         promoted = (self.k_slot[layer] >= 0).long()  # [B, Hkv, d, W - hk]
-        k_depth = hk + promoted.cumprod(-1).sum(-1)
+        k_depth = (hk + promoted.cumprod(-1).sum(-1)).to(torch.int64)
         pt = self.page_table
         on = torch.where(pt >= 0, self.v_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
         v_depth = torch.where(on, w, hv).to(torch.int64)
         k_on = torch.where(pt >= 0, self.kp_slot[layer][pt.clamp_min(0)].long(), -1) >= 0
-        return Residency(k_depth.to(torch.int64), v_depth, torch.where(k_on, w, hk).to(torch.int64))
+        k_page = torch.where(k_on, w, hk).to(torch.int64)  # [B, Hkv, slots]
+        for b in range(self.batch_size):  # a channel is also readable to the depth every Key page of its head has
+            n = -(-self.length(layer, b) // p)
+            if n:
+                k_depth[b] = torch.maximum(k_depth[b], k_page[b, :, :n].min(1).values[:, None])
+        return Residency(k_depth, v_depth, k_page)
 
     def pools(self, layer: int) -> TieredPools:
         """``layer``'s device tensors as the Triton reader takes them (the slot tables copied to the device)."""

@@ -161,15 +161,62 @@ def test_tiered_key_refinement_equals_the_reference_with_the_same_residency(poli
 
 
 def test_tiered_key_refinement_with_every_key_page_resident() -> None:
-    """Every Key and Value page resident, the channels capped at h_K: refined tokens read at depth W from the Key
-    pages, the channel stage at h_K, in the kernels as in the reference."""
+    """Every Key and Value page resident, no channel-plane promoted: refined tokens read at depth W from the Key
+    pages and every channel is resident to W (its planes past h_K from the Key pages), in the kernels as in the
+    reference, with nothing capped."""
     codec, _, tiered, q = _caches(4, 2, key_page_bytes=1 << 20)
     pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(codec.spec.n_kv_heads) for s in range(t // 64)]
     tiered.promote_values(0, pages)
     tiered.promote_key_pages(0, pages)
     st, _ = _compare_refined(codec, tiered, q, ReadPolicy.flexible(4.0, 0.75, key_refine=0.3))
-    assert float(st.extra["k_caps"].sum()) > 0 and float(st.extra["kr_caps"].sum()) == 0
+    assert float(st.extra["k_caps"].sum()) == 0 and float(st.extra["kr_caps"].sum()) == 0
+    assert bool((st.k_depths > 4).any())  # channels read past h_K from the Key pages
     assert all(torch.equal(f, w) for f, w in zip(st.extra["kr_full"], st.extra["kr_wanted"], strict=True))
+
+
+@pytest.mark.parametrize("policy", [ReadPolicy.flexible(4.0), ReadPolicy.constrained(2.0),
+                                    ReadPolicy.flexible(4.0, 0.75, key_refine=0.3)],
+                         ids=["flexible-r4", "constrained-r2", "flexible-r4-refine"])
+def test_channels_lifted_by_key_pages_read_their_planes_from_the_key_page_slots(policy: ReadPolicy) -> None:
+    """Every page of sequence 0 (both heads) and of sequence 1 head 0 in a Key page slot (open or promoted),
+    sequence 1 head 1's sealed page only on the host; a few channel-planes promoted in both kinds of head. The
+    lifted heads' channels are resident to W: the Key stage reads plane j >= h_K from the channel-plane vector
+    where it is promoted, else from each page's Key page slot, and equals the reference (depths, caps, output);
+    the other head stays capped at h_K plus its promoted planes."""
+    page = 4 * 32 * 64 // 8
+    codec, _, tiered, q = _caches(4, 2, key_page_bytes=7 * page)  # slots for the 7 sealed pages promoted below
+    tiered.promote_key_pages(0, [(0, h, s) for h in range(2) for s in range(LENGTHS[0] // 64)] + [(1, 0, 0)])
+    assert int(tiered.kp_slot[0][tiered.page_table[1, 1, 0]]) < 0  # evicted: sequence 1 head 1 is not lifted
+    tiered.promote_keys(0, [(0, 0, c, 4) for c in range(0, 32, 3)] + [(1, 1, 5, 4), (1, 1, 5, 5), (0, 1, 7, 4)])
+    tiered.promote_values(0, [(0, 1, 1), (1, 0, 0)])
+    res = tiered.residency(0)
+    assert bool((res.k_depth[0] == 8).all()) and bool((res.k_depth[1, 0] == 8).all())
+    assert int(res.k_depth[1, 1, 5]) == 6 and int(res.k_depth[1, 1].sum()) == 4 * 32 + 2
+    st, _ = (_compare_refined if policy.key_refine else _compare)(codec, tiered, q, policy)
+    assert float(st.extra["k_caps"][0]) == 0  # sequence 0: nothing capped
+    assert torch.equal(st.k_depths[1, 0], st.extra["k_wanted"][1, 0])  # the lifted head of sequence 1 neither
+    if policy.rate == 4.0:  # (constrained R = 2 asks for no channel past h_K here)
+        assert bool((st.k_depths[0] > 5).any()) and bool((st.k_depths[1, 0] > 4).any())  # from Key page slots
+        assert float(st.extra["k_caps"][1]) > 0  # sequence 1 head 1: capped at its promoted planes
+
+
+def test_only_open_pages_read_as_the_plane_cache() -> None:
+    """Sequences within their open page (40 and 64 tokens), h_K = h_V = 4, no promotion and no Key page budget:
+    nothing is off the device, so the tiered read caps nothing and equals the all-GPU Triton read bit for bit."""
+    codec, flat, _, q = _caches(4, 4)
+    placement = PlacementPolicy(hot_planes=HotPlanes(k=4, v=4), block_bytes=1 << 20)
+    tiered = TieredCache(codec.spec, 2, placement, max_tokens=256)
+    short = PlaneKVCache(codec.spec, 2)
+    for b, t in enumerate((40, 63)):
+        for cache in (tiered, short):
+            cache.append(0, flat.read_k(0, b, 8)[:, :t], flat.read_v(0, b, 8)[:, :t], seq=b)
+    assert bool((tiered.residency(0).k_depth == 8).all())
+    policy = ReadPolicy.flexible(4.0)
+    st, out = _compare(codec, tiered, q, policy)
+    assert float((st.extra["k_caps"] + st.extra["v_caps"]).sum()) == 0 and bool((st.k_depths > 4).any())
+    reader = TritonReader(codec, policy, config=FMA)
+    want, _ = reader.decode(q, short, 0, plan=reader.plan(2, 256, "cpu", pages_per_program=2))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_everything_promoted_refines_as_the_plane_cache() -> None:

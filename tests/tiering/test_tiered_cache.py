@@ -210,8 +210,8 @@ def test_key_refinement_over_the_tiered_cache_serves_resident_key_pages_and_caps
     assert float(st.extra["kr_caps"].sum()) > 0
     assert torch.equal(st.extra["wanted_bits"], st.k_bits + st.v_bits + st.extra["k_caps"] + st.extra["v_caps"]
                        + st.extra["kr_caps"])
-    # every Key page resident but the channels capped at h_K: refined tokens read at W (as a read of the plain codes
-    # with the same limits), the channel stage capped
+    # every Key page resident, no channel-plane promoted: refined tokens and every channel read at W (as a read of
+    # the plain codes with the same limits)
     paged = TieredCache(spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=64 << 20, key_page_bytes=16 << 20)
     _fill(paged, codes)
     sealed_pages = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(spec.n_kv_heads)
@@ -220,7 +220,9 @@ def test_key_refinement_over_the_tiered_cache_serves_resident_key_pages_and_caps
     paged.promote_key_pages(0, sealed_pages)
     res = paged.residency(0)
     out, st = readkv_decode(q, paged, 0, codec, policy, residency=res)
-    assert float(st.extra["k_caps"].sum()) > 0 and float(st.extra["kr_caps"].sum()) == 0
+    # every page of every head on the device: each channel reads to W (its Key pages), nothing capped
+    assert bool((res.k_depth == spec.width).all())
+    assert float(st.extra["k_caps"].sum()) == 0 and float(st.extra["kr_caps"].sum()) == 0
     kc, vc = codes[0]
     for b, t in enumerate(LENGTHS):
         plain, _ = readkv_rows(q[b][:, None], kc[:, :t], vc[:, :t], codec, 0, policy, torch.tensor([t]),
@@ -242,6 +244,51 @@ def test_key_refinement_over_the_tiered_cache_serves_resident_key_pages_and_caps
     assert torch.equal(st.k_bits, wst.k_bits) and torch.equal(st.v_bits, wst.v_bits)
     assert all(torch.equal(a, b) for a, b in zip(st.extra["k_refined"], wst.extra["k_refined"], strict=True))
     assert float((st.extra["k_caps"] + st.extra["v_caps"] + st.extra["kr_caps"]).sum()) == 0
+
+
+def test_a_key_channel_whose_every_page_is_on_the_device_reads_to_w() -> None:
+    """Only the open page (40 tokens), h_K = h_V = 4, no promotion cache and no Key page budget: nothing is off
+    the device, so a tiered step reads every Key channel to the depth it asks for (no caps) and equals the all-GPU
+    read bit for bit. A head whose sealed pages all sit in Key page slots reads its channels to W too; one with a
+    sealed page only in the host tier stays at h_K plus its promoted channel-planes."""
+    from planekv.tiering.decode import tiered_decode_step
+
+    codec, codes, q = _data()
+    spec = codec.spec
+    policy = ReadPolicy.flexible(4.0)
+    flat, tiered = PlaneKVCache(spec, 2), TieredCache(spec, 2, _policy(4, 4), max_tokens=512)
+    for layer, (kc, vc) in enumerate(codes):
+        for cache in (flat, tiered):
+            for b in range(2):
+                cache.append(layer, kc[:, :40], vc[:, :40], seq=b)
+    want, wst = readkv_decode(q, flat, 0, codec, policy)
+    assert bool((tiered.residency(0).k_depth == spec.width).all())
+    out, st = tiered_decode_step(q, tiered, 0, codec, policy)
+    assert float(st.extra["k_caps"].sum()) == 0 and float(st.extra["v_caps"].sum()) == 0
+    assert bool((st.k_depths > 4).any())  # channels read past h_K, from the open pages
+    assert torch.equal(out, want) and torch.equal(st.k_depths, wst.k_depths)
+    assert torch.equal(st.k_bits, wst.k_bits) and torch.equal(st.v_bits, wst.v_bits)
+    # lengths per layer: layer 0 has sealed its first page (no Key page slot for it), layer 1 still appends to it
+    for b in range(2):
+        tiered.append(0, codes[0][0][:, 40:70], codes[0][1][:, 40:70], seq=b)
+    assert bool((tiered.residency(0).k_depth == 4).all()) and bool((tiered.residency(1).k_depth == spec.width).all())
+    # sealed pages: sequence 0's every page in a Key page slot for head 0, a sealed page of head 1 only on the host
+    page = 4 * spec.head_dim * spec.page_size // 8
+    paged = _fill(TieredCache(spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=64 << 20,
+                              key_page_bytes=2 * 8 * page), codes)
+    paged.promote_key_pages(0, [(0, 0, s) for s in range(LENGTHS[0] // spec.page_size)])
+    paged.promote_keys(0, [(0, 1, 3, 4), (0, 1, 3, 5)])
+    res = paged.residency(0)
+    kp = paged.kp_slot[0][paged.page_table[0, 1, : -(-LENGTHS[0] // spec.page_size)]]
+    assert bool((kp < 0).any())  # head 1 has a sealed page off the device
+    assert bool((res.k_depth[0, 0] == spec.width).all())
+    assert int(res.k_depth[0, 1, 3]) == 6 and bool((res.k_depth[0, 1, :3] == 4).all())
+    kc, vc = codes[0]
+    out, st = readkv_decode(q, paged, 0, codec, policy, residency=res)
+    t = LENGTHS[0]
+    plain, _ = readkv_rows(q[0][:, None], kc[:, :t], vc[:, :t], codec, 0, policy, torch.tensor([t]),
+                           k_max=res.k_depth[0], v_max=res.v_depth(0, t, spec.page_size))
+    assert torch.equal(out[0], plain[:, 0])
 
 
 def test_tier_aware_key_refinement_chooses_within_each_tokens_limit() -> None:
