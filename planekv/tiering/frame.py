@@ -211,8 +211,8 @@ def verify_frame(buf: bytes | bytearray | memoryview, expect_key: BlockKey | Non
 
     Raises, in this order: FrameTruncated / BadMagic / UnknownFrameVersion / BlockCorrupt (header),
     FrameTruncated (fewer bytes than the header promises) or BlockCorrupt (trailing bytes),
-    ChecksumMismatch, then, for an intact frame, FormatMismatch (other format than ``expect_key``'s)
-    and BlockKeyMismatch (same format, other block).
+    ChecksumMismatch, BlockCorrupt (non-zero padding after the payload), then, for an intact frame,
+    FormatMismatch (other format than ``expect_key``'s) and BlockKeyMismatch (same format, other block).
     """
     mv = memoryview(buf).cast("B")
     hdr = decode_header(mv)
@@ -229,6 +229,8 @@ def verify_frame(buf: bytes | bytearray | memoryview, expect_key: BlockKey | Non
     if ck != hdr.checksum:
         raise ChecksumMismatch(f"checksum mismatch for block {hdr.key}: stored {hdr.checksum:016x}, "
                                f"computed {ck:016x}; the bytes were corrupted")
+    if bytes(mv[HEADER_BYTES + hdr.payload_bytes:]).strip(b"\0"):  # the padding is not under the checksum
+        raise BlockCorrupt(f"block {hdr.key}: the padding after its payload is not zero; the bytes were corrupted")
     if expect_key is not None:
         if hdr.key.format_id != expect_key.format_id:
             raise FormatMismatch(f"block {hdr.key} has format {hdr.key.format_id}, but format "
