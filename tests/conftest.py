@@ -1,7 +1,8 @@
 """Suite-wide: without a GPU, Triton kernels run in Triton's interpreter (the variable must be set before any
-test module imports planekv.kernels: triton.jit reads it at decoration time); tests marked ``slow`` are
-collected first, so that with one worker per core (``make test``) the long ones start early and the workers
-finish together."""
+test module imports planekv.kernels: triton.jit reads it at decoration time); with several pytest-xdist workers
+each one's torch (and the processes it starts) uses its share of the cores, not all of them (two workers with two
+threads each on two cores ran the decode-step tests ten times slower); tests marked ``slow`` are collected first,
+so that with one worker per core (``make test``) the long ones start early and the workers finish together."""
 
 import os
 from pathlib import Path
@@ -11,6 +12,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # the services, jobs and workers tests start
 
 
 def pytest_collection_modifyitems(config, items):
