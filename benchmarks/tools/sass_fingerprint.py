@@ -60,6 +60,7 @@ class Scenario:
     batch_streams: int = 1
     page_size: int = 64
     width: int = 8  # planes stored (W)
+    tiered_hot: int | None = None  # a read of a TieredCache with this many hot planes (FMA stages) instead
 
 
 def _policies():
@@ -118,6 +119,8 @@ def scenarios() -> list[Scenario]:
         Scenario("encode-linear-v4", hq=32, hk=8, d=128, batch=2, tokens=100, policy="encode",
                  codebook="uniform-linear-c3", v_run=4),
         Scenario("fp8", hq=32, hk=8, d=128, batch=4, tokens=4096, policy="fp8"),
+        # a read of a tiered cache (docs/TIERING.md): the FMA stages' tiered forms and the tiered Key refinement
+        Scenario("tiered-h4-flex-kr-r2", hq=32, hk=8, d=128, batch=2, tokens=300, policy="flex-kr-r2", tiered_hot=4),
     ]
     return out
 
@@ -218,6 +221,8 @@ def trace(sc: Scenario) -> list[dict[str, Any]]:
     if sc.policy in ("encode", "fp8"):
         return _trace_other(sc, codec)
     pol = _policies()[sc.policy]
+    if sc.tiered_hot is not None:
+        return _trace_tiered(sc, codec, pol)
     if pol is not None and pol.width != sc.width:
         pol = dataclasses.replace(pol, width=sc.width)
     try:
@@ -250,6 +255,28 @@ def trace(sc: Scenario) -> list[dict[str, Any]]:
         BUFFERS[f"const.{k}"] = v
     del LAUNCHES[:]
     reader.run(plan, q, k_pool, v_pool, pt, lengths, 0)
+    return list(LAUNCHES)
+
+
+def _trace_tiered(sc: Scenario, codec, pol) -> list[dict[str, Any]]:
+    """The launches of one step of ``sc`` over a TieredCache of ``sc.tokens`` tokens per sequence (sealed pages,
+    an open one, Key page slots), read by the FMA stages as decode_tiered reads it."""
+    from planekv.kernels import ReaderConfig, TritonReader
+    from planekv.tiering import PlacementPolicy, TieredCache
+    from planekv.tiering.placement import HotPlanes
+
+    spec, h = codec.spec, sc.tiered_hot
+    cache = TieredCache(spec, sc.batch, PlacementPolicy(hot_planes=HotPlanes(k=h, v=h), width=spec.width),
+                        max_tokens=sc.tokens, promotion_bytes=8 << 20, key_page_bytes=8 << 20)
+    codes = torch.zeros(sc.batch, sc.hk, sc.tokens, sc.d, dtype=torch.uint8)
+    cache.append(0, codes, codes.clone())
+    reader = TritonReader(codec, pol, config=ReaderConfig(assembly="fma", key_int8=False, value_int8=False))
+    reader._fp_cuda = _SIM["cuda"] = sc.device == "cuda"
+    q = torch.zeros(sc.batch, sc.hq, sc.d, dtype=torch.float16)
+    BUFFERS.clear()
+    BUFFERS.update(q=q)
+    del LAUNCHES[:]
+    reader.decode_tiered(q, cache, 0)
     return list(LAUNCHES)
 
 

@@ -21,11 +21,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # decode steps that together launch every kernel and form: the radix and two-pass allocations, Key refinement,
 # the FMA, int8 and MMA stages (bit-serial and transposing Value tiles, compacting or not), the Full Reader,
-# fused and unfused transforms, the encoder and the FP8 baseline; each distinct compilation done once, in two
-# processes (2 cores)
+# fused and unfused transforms, the encoder, the FP8 baseline and a tiered read (the FMA stages' tiered forms and
+# the tiered Key refinement); each distinct compilation done once, in two processes (2 cores)
 SCENARIOS = ("b1-flex-r2,b1-cons-r2,b32-flex-kr-r2,b32-cons-r2,b1-full4,d256-flex-r4,mqa16-cons-r2,encode-linear-v4,"
              "fp8,b32-flex-r4-linear-v4,d256-flex-r2-linear-v1,d256-w6-flex-r2-linear,b32-w6-flex-r2-linear,"
-             "smol-flex-r2-linear-v1,mqa16-flex-r2,mqa16-d256-flex-r2")
+             "smol-flex-r2-linear-v1,mqa16-flex-r2,mqa16-d256-flex-r2,tiered-h4-flex-kr-r2")
 
 
 def launched_kernels() -> set[str]:
