@@ -18,12 +18,12 @@ def _data_dir(args: argparse.Namespace) -> Path:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .stack import Ports, StackError, free_port, up
+    from .stack import Ports, StackError, up
 
     console = Console()
     ports = Ports()
     if args.free_ports:
-        ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
+        ports = Ports.free()
     worker_args = ["--calib-tokens", str(args.calib_tokens), "--reader", args.reader, "--policy", args.policy,
                    "--promotion-mib", str(args.promotion_mib), "--max-batch", str(args.max_batch)]
     worker_args += ["--model", args.model] if args.model else []

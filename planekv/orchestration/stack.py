@@ -37,7 +37,7 @@ from typing import Any
 from planekv.kvstore.atomic import atomic_write_bytes
 from planekv.services.launch import (
     alive,
-    free_port,
+    free_ports,
     http_ok,
     new_secret_file,
     port_busy,
@@ -68,6 +68,11 @@ class Ports:
     ray_gcs: int = 6380
     ray_dashboard: int = 8265
     worker_metrics: int = 8095  # worker i serves on this port + i
+
+    @classmethod
+    def free(cls) -> Ports:
+        """Distinct ports free on 127.0.0.1 now (for a second stack beside the default one, and tests)."""
+        return cls(*free_ports(6))
 
 
 @dataclass
@@ -115,7 +120,8 @@ RAY_INTERNAL_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port"
 def ray_internal_port_args() -> list[str]:
     """Free ports for the Ray head's internal servers: Ray's fixed defaults (52365, 10001, ...) would collide with
     another Ray on the same machine (a second stack, a test cluster)."""
-    return [f"--{name}={free_port()}" for name in RAY_INTERNAL_PORTS]
+    return [f"--{name}={port}" for name, port in zip(RAY_INTERNAL_PORTS, free_ports(len(RAY_INTERNAL_PORTS)),
+                                                      strict=True)]
 
 
 def running(data_dir: Path) -> StackState | None:

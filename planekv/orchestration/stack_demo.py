@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .stack import Ports, free_port
+from .stack import Ports
 
 MiB = float(1 << 20)
 POLICY = "default"  # the policy name `planekv up`'s workers follow
@@ -44,7 +44,7 @@ def run_stack_demo(out: Path, context: int = 2048, rates: tuple[float, ...] = (4
     worker_args = ["--calib-tokens", str(calib_tokens), "--promotion-mib", str(promotion_mib)]
     worker_args += ["--model", model] if model else []
     t0 = time.perf_counter()
-    ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
+    ports = Ports.free()
     state = stack.up(data_dir, ports, workers=1, worker_args=worker_args, say=say)
     say(f"stack healthy in {time.perf_counter() - t0:.1f} s (data in {data_dir})")
     control = next(c.url for c in state.components if c.name == "control")

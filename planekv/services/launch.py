@@ -37,6 +37,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now: every socket stays bound until all are chosen (one
+    ``free_port`` after another can hand out the same port twice)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def port_busy(port: int) -> bool:
     with socket.socket() as s:
         try:

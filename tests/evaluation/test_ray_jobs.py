@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("ray.job_submission")
 
 from planekv.evaluation import calibrate, ray_jobs  # noqa: E402
-from planekv.orchestration.stack import ray_internal_port_args  # noqa: E402  (free ports: no clash with another Ray)
+from planekv.orchestration.stack import ray_internal_port_args  # noqa: E402
+from planekv.services.launch import free_ports  # noqa: E402  (free ports: no clash with another Ray)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def ray_dashboard():
     ray_bin = Path(sys.executable).with_name("ray")
     if not ray_bin.exists():
         ray_bin = Path(shutil.which("ray") or "ray")
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_ports(2)
     # a short path: Ray's Unix sockets live under it (107 bytes at most), and pytest's temp paths grow long
     # (a worker's directory under xdist)
     tmp = Path(tempfile.mkdtemp(prefix="pkv-ray-", dir="/tmp"))

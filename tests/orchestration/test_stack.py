@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 from planekv.orchestration import stack  # noqa: E402
-from planekv.orchestration.stack import Ports, StackError, free_port  # noqa: E402
+from planekv.orchestration.stack import Ports, StackError  # noqa: E402
 from planekv.services.launch import alive, descendants  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def _loopback(addr: str) -> bool:
 @pytest.fixture(scope="module")
 def running_stack(tmp_path_factory, tiny_model_dir):
     data_dir = tmp_path_factory.mktemp("stack")
-    ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
+    ports = Ports.free()
     state = stack.up(data_dir, ports, workers=1, worker_args=["--model", str(tiny_model_dir), "--calib-tokens",
                                                               "512"], timeout=120)
     yield data_dir, state
@@ -115,7 +115,7 @@ def test_redis_requires_a_password_that_no_command_line_log_state_or_status_show
 def test_a_second_up_refuses_while_one_runs(running_stack):
     data_dir, _ = running_stack
     with pytest.raises(StackError, match="already running"):
-        stack.up(data_dir, Ports(*(free_port() for _ in range(5)), worker_metrics=free_port()))
+        stack.up(data_dir, Ports.free())
 
 
 def test_a_client_generates_and_the_worker_follows_the_policy_set_through_the_api(running_stack):
@@ -149,7 +149,7 @@ def test_a_client_generates_and_the_worker_follows_the_policy_set_through_the_ap
 
 
 def test_down_stops_exactly_what_up_started_and_leaves_no_process(tmp_path, tiny_model_dir):
-    ports = Ports(*(free_port() for _ in range(5)), worker_metrics=free_port())
+    ports = Ports.free()
     state = stack.up(tmp_path, ports, workers=1, worker_args=["--model", str(tiny_model_dir), "--calib-tokens", "512"],
                      timeout=120)
     family = {c.pid for c in state.components} | {p for c in state.components for p in descendants(c.pid)}
