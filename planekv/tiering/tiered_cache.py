@@ -410,26 +410,7 @@ class TieredCache:
     def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
         """Bring the refinement planes of sealed pages (sequence b, KV head h, page slot s) back to the device,
         least recently used slots first; returns how many were brought (already resident ones are touched)."""
-        if self.hot_v[layer] == self.spec.width:
-            return 0
-        lru, n = self._v_lru[layer], 0
-        for b, h, s in pages:
-            page = int(self.page_table[b, h, s])
-            if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
-                continue  # no such page, or the open one (always resident)
-            cur = int(self.v_slot[layer][page])
-            if cur >= 0:
-                lru.touch(cur)
-                continue
-            slot, old = lru.take(page)
-            if slot < 0:
-                break
-            if old is not None:
-                self._evict_v(layer, int(old))
-            data = self.host.page((self.sequence_ids[b], "v", layer, h), s)
-            self.v_promo[layer][slot] = data.to(self.device, non_blocking=True).view(self.v_promo[layer].shape[1:])
-            self.v_slot[layer][page] = slot
-            n += 1
+        n = self._promote_pages(layer, pages, "v")
         self.counters["v_promoted"] += n
         return n
 
@@ -441,14 +422,27 @@ class TieredCache:
         """Bring every channel's refinement planes of sealed Key pages (sequence b, KV head h, page slot s) back to
         the device for Key refinement, least recently used slots first; returns how many were brought (already
         resident ones are touched)."""
-        if self.hot_k[layer] == self.spec.width:
+        n = self._promote_pages(layer, pages, "k")
+        self.counters["kp_promoted"] += n
+        return n
+
+    def _promote_pages(self, layer: int, pages: list[tuple[int, int, int]], kind: str) -> int:
+        """Sealed pages' refinement planes from the host tier into their slots: Value pages (``kind`` "v": v_promo,
+        v_slot) or Key pages ("k": kp_promo, kp_slot); returns how many were brought."""
+        if kind == "v":
+            hot, lru, table, promo, evict = self.hot_v[layer], self._v_lru[layer], self.v_slot[layer], \
+                self.v_promo[layer], self._evict_v
+        else:
+            hot, lru, table, promo, evict = self.hot_k[layer], self._kp_lru[layer], self.kp_slot[layer], \
+                self.kp_promo[layer], self._evict_kp
+        if hot == self.spec.width:
             return 0
-        lru, n = self._kp_lru[layer], 0
+        n = 0
         for b, h, s in pages:
             page = int(self.page_table[b, h, s])
             if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
                 continue  # no such page, or the open one (always resident)
-            cur = int(self.kp_slot[layer][page])
+            cur = int(table[page])
             if cur >= 0:
                 lru.touch(cur)
                 continue
@@ -456,12 +450,11 @@ class TieredCache:
             if slot < 0:
                 break
             if old is not None:
-                self._evict_kp(layer, int(old))
-            data = self.host.page((self.sequence_ids[b], "k", layer, h), s)
-            self.kp_promo[layer][slot] = data.to(self.device, non_blocking=True).view(self.kp_promo[layer].shape[1:])
-            self.kp_slot[layer][page] = slot
+                evict(layer, int(old))
+            data = self.host.page((self.sequence_ids[b], kind, layer, h), s)
+            promo[slot] = data.to(self.device, non_blocking=True).view(promo.shape[1:])
+            table[page] = slot
             n += 1
-        self.counters["kp_promoted"] += n
         return n
 
     def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
