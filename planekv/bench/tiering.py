@@ -133,7 +133,8 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
     codec, spec = data.codec, data.codec.spec
     lengths = data.layers[0].lengths
     t_last = int(lengths.max())
-    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last,
+    dev = torch.device("cuda" if reader == "triton" and torch.cuda.is_available() else "cpu")  # compiled kernels
+    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last, device=dev,
                         promotion_bytes=int(promotion_mib * MiB), key_page_bytes=int(key_page_mib * MiB))
     read, used = _reader_for(codec, policy, reader)
     for li in data.layers:
@@ -151,7 +152,7 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
             if t < have:
                 raise ValueError(f"decode step {s} of layer {li.layer} reads {t} tokens, fewer than before ({have})")
             cache.append(li.layer, kc[:, have:t], vc[:, have:t], seq=0)  # the step's own token (if new)
-            q = li.q[:, s][None].float()  # [1, Hq, d]
+            q = li.q[:, s][None].float().to(dev)  # [1, Hq, d]
             out, _ = tiered_decode_step(q, cache, li.layer, codec, policy, pf, tally, li.scale, read)
             if s >= warmup:
                 exact = attention(li.q[:, s: s + 1], li.k[:, :t], li.v[:, :t], torch.tensor([t]), scale=li.scale)
