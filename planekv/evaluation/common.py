@@ -116,6 +116,19 @@ def check_hot_planes(hots: Iterable[int], width: int = 8) -> None:
                          f"every plane on the device), got {bad}")
 
 
+def check_tier_budgets(promotion_mib: float, key_page_mib: float) -> None:
+    """Refuse negative ``--promotion-mib`` / ``--key-page-mib`` before anything loads."""
+    for flag, mib in (("--promotion-mib", promotion_mib), ("--key-page-mib", key_page_mib)):
+        if mib < 0:
+            raise ValueError(f"{flag} must be >= 0, got {mib}")
+
+
+def tier_budgets(promotion_mib: float, key_page_mib: float) -> dict[str, float]:
+    """The tiered cache's budgets as a unit, journal and result record them: Key page slots only when not 0, so
+    that the units and journals of runs without them keep their keys (``--resume`` finds them)."""
+    return {"promotion_mib": promotion_mib, **({"key_page_mib": key_page_mib} if key_page_mib else {})}
+
+
 def tiered_rows(rows: Iterable[SystemRow], hots: Iterable[int], decode: bool = False) -> list[SystemRow]:
     """``rows``, then for each ReadKV row a copy read from a tiered cache at each of ``hots`` hot planes (read by
     decode steps when ``decode``)."""

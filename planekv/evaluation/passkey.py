@@ -36,8 +36,10 @@ from .common import (
     SystemRow,
     build_system,
     check_hot_planes,
+    check_tier_budgets,
     label,
     system_rows,
+    tier_budgets,
     tiered_rows,
 )
 from .executors import InProcess, add_executor_arguments, check_executor_arguments, open_executor
@@ -146,10 +148,11 @@ def greedy_decode(model: Any, cache: PlaneKVHFCache, first: int, tok: Any, max_n
 
 
 def trial_units(plan: dict[int, list[SystemRow]], trials: dict[int, int], seed: int, filler_tokens: int,
-                reader: str = "reference", template: str = "chat", promotion_mib: float = 64.0) -> list[Unit]:
+                reader: str = "reference", template: str = "chat", promotion_mib: float = 64.0,
+                key_page_mib: float = 0.0) -> list[Unit]:
     """One unit per (context, trial index), contexts in ``plan``'s order; each unit runs the context's rows."""
     return [Unit(f"{ctx}|{i}", {"trial": trial.to_dict(), "rows": [r.to_dict() for r in rows], "reader": reader,
-                                "template": template, "promotion_mib": promotion_mib})
+                                "template": template, **tier_budgets(promotion_mib, key_page_mib)})
             for ctx, rows in plan.items() for i, trial in enumerate(make_trials(ctx, trials[ctx], seed, filler_tokens))]
 
 
@@ -157,7 +160,7 @@ def trial_unit(s: Setup, spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """One trial (``spec`` of trial_units) for every row of its context: one dense prefill, then each row writes the
     prompt's K/V into its own cache and decodes greedily. Row key -> {hit, answer, text, k_bits, v_bits,
     dense_bits, cap_bits, wanted_bits (tiered rows; else None), seconds}. Rows with a hot depth read a tiered cache
-    (docs/TIERING.md) with a promotion cache of ``promotion_mib``."""
+    (docs/TIERING.md) with a promotion cache of ``promotion_mib`` and ``key_page_mib`` of Key page slots."""
     from ..models.hf import Tiering, make_cache
 
     model, tok = s.lm.model, s.lm.tokenizer
@@ -168,7 +171,8 @@ def trial_unit(s: Setup, spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for row in (SystemRow(**r) for r in spec["rows"]):
         t0 = time.perf_counter()
         tiering = None if row.hot is None else Tiering(row.hot, ids.numel() + MAX_NEW_TOKENS + 1,
-                                                         int(spec["promotion_mib"] * (1 << 20)))
+                                                         int(spec["promotion_mib"] * (1 << 20)),
+                                                         key_page_bytes=int(spec.get("key_page_mib", 0.0) * (1 << 20)))
         cache = make_cache(model, build_system(row, s.codec), reader=spec["reader"], tiering=tiering)
         cache.prefill_from(keys, values)
         text = greedy_decode(model, cache, first, tok)
@@ -186,21 +190,22 @@ def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, in
                 reader: str = "reference", template: str = "chat",
                 on_partial: Callable[[dict[str, Any]], None] | None = None, promotion_mib: float = 64.0,
                 executor: Executor | None = None, out: str | os.PathLike[str] | None = None,
-                resume: bool = False) -> dict[str, Any]:
+                resume: bool = False, key_page_mib: float = 0.0) -> dict[str, Any]:
     """Passkey hits for each context length and its rows (``plan``: context -> rows, in that order), the trials
     run by ``executor`` (default: this process). ``on_partial`` receives the results of the trials finished so
     far (partial JSON) now and then. With ``out`` each finished trial is journaled there
     (``passkey.units.jsonl``) and ``resume`` keeps those an earlier run of the same settings finished (another
     number of trials keeps the same trials: trial i does not depend on how many there are)."""
     filler_tokens = tokenize_text(s.lm.tokenizer, FILLER_TEXT).numel()
-    units = trial_units(plan, trials, seed, filler_tokens, reader, template, promotion_mib)
+    units = trial_units(plan, trials, seed, filler_tokens, reader, template, promotion_mib, key_page_mib)
     tiered = any(r.hot is not None for rows in plan.values() for r in rows)
     journal = None if out is None else job_journal(
         out, "passkey", s, plan={str(c): [r.key for r in rows] for c, rows in plan.items()}, seed=seed,
-        reader=reader, template=template, **({"promotion_mib": promotion_mib} if tiered else {}))
+        reader=reader, template=template, **(tier_budgets(promotion_mib, key_page_mib) if tiered else {}))
 
     def summary(results: Mapping[str, Any]) -> dict[str, Any]:
-        return _summary(s, plan, units, results, seed, trials, reader, template, promotion_mib)
+        return _summary(s, plan, units, results, seed, trials, reader, template,
+                        tier_budgets(promotion_mib, key_page_mib))
 
     results = run_units(units, trial_unit, executor or InProcess(s), journal, resume, desc="passkey",
                         on_partial=None if on_partial is None else lambda done: on_partial(summary(done)))
@@ -208,7 +213,8 @@ def run_passkey(s: Setup, plan: dict[int, list[SystemRow]], trials: dict[int, in
 
 
 def _summary(s: Setup, plan: dict[int, list[SystemRow]], units: Sequence[Unit], results: Mapping[str, Any],
-             seed: int, trials: dict[int, int], reader: str, template: str, promotion_mib: float) -> dict[str, Any]:
+             seed: int, trials: dict[int, int], reader: str, template: str,
+             budgets: dict[str, float]) -> dict[str, Any]:
     """The passkey result of the finished units among ``units`` (summed in unit order)."""
     d = s.codec.spec.head_dim
     out_rows: dict[str, dict[str, Any]] = {}
@@ -247,7 +253,7 @@ def _summary(s: Setup, plan: dict[int, list[SystemRow]], units: Sequence[Unit], 
         dense = next((r for r in rows_out if r["name"] == "dense" and r["context"] == res["context"]), None)
         res["vs_dense"] = None if not dense or not dense["hits"] else res["hits"] / dense["hits"]
     return {"job": "passkey", "seed": seed, "trials": {str(c): n for c, n in trials.items()},
-            "reader": reader, "template": template, "promotion_mib": promotion_mib, "question": QUESTION,
+            "reader": reader, "template": template, **budgets, "question": QUESTION,
             "answer_start": ANSWER_START,
             "rows": rows_out, "details": details}
 
@@ -286,6 +292,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
                    help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md)")
     p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
+    p.add_argument("--key-page-mib", type=float, default=0.0,
+                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
+                        "read at their channels' resident depths)")
     add_resume_argument(p)
     add_executor_arguments(p)
 
@@ -296,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_executor_arguments(args)
     check_hot_planes(args.tiered_hot)
+    check_tier_budgets(args.promotion_mib, args.key_page_mib)
     trials = args.trials if len(args.trials) == len(args.contexts) else [args.trials[0]] * len(args.contexts)
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)
@@ -305,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
     with open_executor(args, s) as executor:
         res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
                           args.template, on_partial=lambda r: write_json(f"{args.out}/passkey.json", r),
-                          promotion_mib=args.promotion_mib, executor=executor, out=args.out, resume=args.resume)
+                          promotion_mib=args.promotion_mib, executor=executor, out=args.out, resume=args.resume,
+                          key_page_mib=args.key_page_mib)
     res["seconds"] = time.perf_counter() - t0
     res["workers"] = args.workers
     res["calibration_id"] = s.calibration.calibration_id

@@ -41,8 +41,10 @@ from .common import (
     SystemRow,
     build_system,
     check_hot_planes,
+    check_tier_budgets,
     label,
     system_rows,
+    tier_budgets,
     tiered_rows,
 )
 from .executors import InProcess, add_executor_arguments, check_executor_arguments, open_executor
@@ -92,13 +94,13 @@ def _unit_key(row_key: str, text: str, index: int) -> str:
 
 
 def window_units(rows: Sequence[SystemRow | None], texts: Sequence[str], window: int, n_windows: int,
-                 row_chunk: int = 512, promotion_mib: float = 64.0) -> list[Unit]:
+                 row_chunk: int = 512, promotion_mib: float = 64.0, key_page_mib: float = 0.0) -> list[Unit]:
     """One unit per (row, text, window index), in that order; a None row is the model's own loss. Tiered rows
-    carry their promotion cache (MiB)."""
+    carry their promotion cache and Key page slots (MiB; the latter only when not 0)."""
     return [Unit(_unit_key(MODEL_ROW if row is None else row.key, text, i),
                  {"row": None if row is None else row.to_dict(), "text": text, "window": window,
                   "n_windows": n_windows, "index": i, "row_chunk": row_chunk,
-                  **({"promotion_mib": promotion_mib} if row is not None and row.hot is not None else {})})
+                  **(tier_budgets(promotion_mib, key_page_mib) if row is not None and row.hot is not None else {})})
             for row in rows for text in texts for i in range(n_windows)]
 
 
@@ -117,7 +119,8 @@ def window_unit(s: Setup, spec: dict[str, Any]) -> dict[str, Any]:
         nll, n = model_nll(s.lm.model, ids)
         k_bits = v_bits = dense_bits = 0.0
     elif row.decode or row.hot is not None:
-        tiering = None if row.hot is None else Tiering(row.hot, ids.numel(), int(spec["promotion_mib"] * (1 << 20)))
+        tiering = None if row.hot is None else Tiering(row.hot, ids.numel(), int(spec["promotion_mib"] * (1 << 20)),
+                                                         key_page_bytes=int(spec.get("key_page_mib", 0.0) * (1 << 20)))
         cache = make_cache(s.lm.model, build_system(row, s.codec), tiering=tiering, dense_prefill=False)
         nll, n = decode_nll(s.lm.model, cache, ids)
         k_bits, v_bits, dense_bits = float(cache.tally.k_bits), float(cache.tally.v_bits), float(cache.tally.dense_bits)
@@ -193,18 +196,18 @@ def decode_rows(rows: Sequence[SystemRow], hots: Sequence[int]) -> list[SystemRo
 def run_perplexity(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str] = TEST_TEXTS, window: int = 2048,
                    n_windows: int = 2, row_chunk: int = 512, executor: Executor | None = None,
                    out: str | os.PathLike[str] | None = None, resume: bool = False,
-                   promotion_mib: float = 64.0) -> dict[str, Any]:
+                   promotion_mib: float = 64.0, key_page_mib: float = 0.0) -> dict[str, Any]:
     """The perplexity table: every row, the model's own loss, % change against the dense row; a tiered row also
     against its all-GPU decode row (``vs_all_gpu_pct``: % of that row's perplexity; ``vs_all_gpu_pp``: its
     change against dense minus that row's, in percentage points) when both were run. The windows run by
     ``executor`` (default: this process); with ``out`` each finished one is journaled there
     (``perplexity.units.jsonl``) and ``resume`` keeps those an earlier run of the same settings finished. Tiered
-    rows read with a promotion cache of ``promotion_mib``."""
-    units = window_units([None, *rows], texts, window, n_windows, row_chunk, promotion_mib)
+    rows read with a promotion cache of ``promotion_mib`` and ``key_page_mib`` of Key page slots."""
+    units = window_units([None, *rows], texts, window, n_windows, row_chunk, promotion_mib, key_page_mib)
     tiered = any(r.hot is not None for r in rows)
     journal = None if out is None else job_journal(
         out, "perplexity", s, rows=[r.key for r in rows], texts=list(texts), window=window, n_windows=n_windows,
-        row_chunk=row_chunk, **({"promotion_mib": promotion_mib} if tiered else {}))
+        row_chunk=row_chunk, **(tier_budgets(promotion_mib, key_page_mib) if tiered else {}))
     results = run_units(units, window_unit, executor or InProcess(s), journal, resume, desc="perplexity")
     own_nll = own_n = 0.0
     for u in units:
@@ -223,7 +226,7 @@ def run_perplexity(s: Setup, rows: Sequence[SystemRow], texts: Sequence[str] = T
             r["vs_all_gpu_pp"] = None if dense is None else r["ppl_change_pct"] - base["ppl_change_pct"]
     return {"job": "perplexity", "texts": list(texts), "window": window, "n_windows": n_windows,
             "tokens_per_row": int(own_n), "model_ppl": math.exp(own_nll / own_n), "rows": res,
-            **({"promotion_mib": promotion_mib} if tiered else {})}
+            **(tier_budgets(promotion_mib, key_page_mib) if tiered else {})}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -238,6 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also read every ReadKV row as decode steps, all-GPU and from a tiered cache with H hot "
                         "planes (docs/TIERING.md)")
     p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
+    p.add_argument("--key-page-mib", type=float, default=0.0,
+                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
+                        "read at their channels' resident depths)")
     add_resume_argument(p)
     add_executor_arguments(p)
 
@@ -271,15 +277,14 @@ def run(args: argparse.Namespace) -> int:
 
     check_executor_arguments(args)
     check_hot_planes(args.tiered_hot)
-    if args.promotion_mib < 0:
-        raise ValueError(f"--promotion-mib must be >= 0, got {args.promotion_mib}")
+    check_tier_budgets(args.promotion_mib, args.key_page_mib)
     s = setup(args.model, args.calibration, args.device, args.calib_tokens, args.calib_window, args.out,
               codebook=args.codebook)
     rows = decode_rows(system_rows(args.systems, args.rates, parse_k_share(args.k_share)), args.tiered_hot)
     t0 = time.perf_counter()
     with open_executor(args, s) as executor:
         res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk, executor, args.out,
-                             args.resume, args.promotion_mib)
+                             args.resume, args.promotion_mib, args.key_page_mib)
     res["seconds"] = time.perf_counter() - t0
     res["workers"] = args.workers
     res["calibration_id"] = s.calibration.calibration_id

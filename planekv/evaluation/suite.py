@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, check_hot_planes, setup, system_rows
+from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, check_hot_planes, check_tier_budgets, setup, system_rows
 from .executors import EXECUTOR_ARGUMENTS, add_executor_arguments, check_executor_arguments, open_executor
 from .jobs import hardware, job_main, write_json
 from .passkey import parse_plan, run_passkey
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md): "
                         "perplexity as decode steps beside the same decode steps all-GPU, passkey decode")
     p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
+    p.add_argument("--key-page-mib", type=float, default=0.0,
+                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
+                        "read at their channels' resident depths)")
     p.add_argument("--skip", nargs="*", default=[], choices=["perplexity", "passkey"], help="jobs to leave out")
     p.add_argument("--resume", action="store_true",
                    help="keep what an earlier run of the same settings left in --out (split search, perplexity, "
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         apply_quick(args)
     check_executor_arguments(args)
     check_hot_planes(args.tiered_hot)
+    check_tier_budgets(args.promotion_mib, args.key_page_mib)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -131,7 +135,8 @@ def _run_jobs(args: argparse.Namespace, s: Setup, out: Path, meta: dict, prev: d
     elif "perplexity" not in args.skip:
         t0 = time.perf_counter()
         res = run_perplexity(s, rows, args.texts, args.window, args.windows, args.row_chunk, executor, out,
-                             resume=prev is not None, promotion_mib=args.promotion_mib)
+                             resume=prev is not None, promotion_mib=args.promotion_mib,
+                             key_page_mib=args.key_page_mib)
         res["seconds"] = meta["seconds"]["perplexity"] = time.perf_counter() - t0
         write_json(out / "run.json", meta)
         write_json(out / "perplexity.json", res)
@@ -143,7 +148,8 @@ def _run_jobs(args: argparse.Namespace, s: Setup, out: Path, meta: dict, prev: d
                           args.tiered_hot)
         res = run_passkey(s, plan, dict(zip(args.contexts, trials, strict=True)), args.seed, args.reader,
                           args.template, on_partial=lambda r: (write_json(out / "passkey.json", r), write_report(out)),
-                          promotion_mib=args.promotion_mib, executor=executor, out=out, resume=prev is not None)
+                          promotion_mib=args.promotion_mib, executor=executor, out=out, resume=prev is not None,
+                          key_page_mib=args.key_page_mib)
         res["seconds"] = meta["seconds"]["passkey"] = time.perf_counter() - t0 + meta["seconds"].get("passkey", 0.0)
         write_json(out / "passkey.json", res)
 

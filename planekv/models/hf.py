@@ -39,6 +39,7 @@ import torch
 from ..kvstore import Calibration, Codec, FormatSpec, PlaneKVCache, ReadPolicy, ReadStats, reference
 from ..kvstore.baselines import KVSystem
 from ..tiering import HotPlanes, PlacementPolicy, Prefetcher, StepTally, TieredCache, tiered_decode_step
+from ..tiering.replace import replace_placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
 
@@ -346,11 +347,18 @@ def _unpadded(mask: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor
     return mask[:, 0, :, -n_new:].any(1).cpu().expand(batch, n_new)
 
 
+PolicySource = Callable[[], "tuple[int, PlacementPolicy] | None"]
+
+
 @dataclass(frozen=True)
 class Tiering:
     """A tiered cache for a :class:`PlaneKVHFCache` (docs/TIERING.md): ``hot`` planes of every page on the model's
     device (K and V alike), sealed pages' refinement planes in host memory, a promotion cache of
-    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``. Key pages
+    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``. With
+    ``policy_source`` the cache follows a live placement policy: asked before every decode step, a new version is
+    applied before the step reads (``planekv.tiering.replace_placement``: every stored code moves into a cache under
+    the new policy); one that cannot be applied is logged and counted (``policy_refusals``) and the old placement
+    stays, so no step fails for it. Key pages
     for Key refinement (``key_page_bytes``), the host tier's size, and the tiers below it (``spill``: a
     ``planekv.tiering.SpillTier``; ``remote``: a ``planekv.tiering.RemoteWriter``) are passed to the TieredCache."""
 
@@ -363,6 +371,9 @@ class Tiering:
     host_bytes: int | None = None  # None: the TieredCache's default
     spill: Any = None
     remote: Any = None
+    # asked before every decode step: (version, policy) of the placement to use, or None to keep the current one
+    # (e.g. planekv.orchestration.policy_source.ControlPolicySource: the control plane's active version)
+    policy_source: PolicySource | None = None
 
 
 class PlaneKVHFCache(Cache):
@@ -406,6 +417,8 @@ class PlaneKVHFCache(Cache):
         self.tier_tally = StepTally()
         self._prefetcher: Prefetcher | None = None
         self._placement: PlacementPolicy | None = None
+        self.policy_version = 0  # the live policy's version in use (0: the placement the cache was made with)
+        self.policy_refusals: dict[int, str] = {}  # version -> why it could not be applied
         self._tiered_read: Callable[..., tuple[torch.Tensor, ReadStats]] | None = None
         if tiering is not None and not self.is_readkv:
             raise ValueError(f"tiering needs a ReadKV system, got {system.name}")
@@ -570,6 +583,8 @@ class PlaneKVHFCache(Cache):
         if past == 0 and self.dense_prefill:
             self._store(layer, k, v, keep)
             return None
+        if layer_idx == 0 and past > 0:  # between decode steps: every layer holds the same tokens
+            self._follow_policy()
         if not bool(keep.all()):
             raise ValueError("padding after the prompt (a masked token in a step after the prefill) is not "
                              "supported by a PlaneKV cache: pad prompts on the left or right only")
@@ -578,6 +593,34 @@ class PlaneKVHFCache(Cache):
             self._store(layer, k[:, :, j:j + 1], v[:, :, j:j + 1], keep[:, j:j + 1])
             outs.append(self._read(layer, q[:, :, j].float(), scale, window))
         return torch.stack(outs, 2)
+
+    def _follow_policy(self) -> None:
+        """Apply the live policy's new version, if ``tiering.policy_source`` gives one, before this step reads."""
+        source = None if self.tiering is None else self.tiering.policy_source
+        if source is None or not isinstance(self.pages, TieredCache):
+            return
+        try:
+            got = source()
+        except Exception as exc:  # a source that fails (control plane away) keeps the placement in use
+            log.warning("placement policy source failed (%s); keeping version %d", exc, self.policy_version)
+            return
+        if got is None or got[0] == self.policy_version or got[0] in self.policy_refusals:
+            return
+        version, policy = got
+        if policy == self._placement:  # the same placement under a new version number: nothing moves
+            self.policy_version = version
+            return
+        try:
+            self.pages = replace_placement(self.pages, policy)
+        except Exception as exc:  # replace_placement leaves the old cache as it was: read it and go on
+            self.policy_refusals[version] = f"{type(exc).__name__}: {exc}"
+            log.warning("placement policy version %d not applied (%s); keeping version %d", version,
+                        self.policy_refusals[version], self.policy_version)
+            return
+        self._placement, self.policy_version = policy, version
+        if self._prefetcher is not None:
+            self._prefetcher = Prefetcher()  # its importance refers to the old cache's residency
+        log.info("placement policy version %d applied", version)
 
     def _read(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """One query per sequence at the layer's last position: q [B, Hq, d] -> out [B, Hq, d] (float32)."""

@@ -75,6 +75,26 @@ def test_tiered_perplexity_in_points_of_dense(tiny_model_dir, calib_path, tmp_pa
         perplexity.main([*args, "--promotion-mib", "1", "--resume"])
 
 
+def test_key_page_slots_reach_the_tiered_rows(tiny_model_dir, calib_path, tmp_path):
+    """--key-page-mib gives a Key refinement row's tiered cache Key page slots: the refined tokens of the sealed page
+    read at full depth instead of capped (fewer caps than without slots), the result and the journal record the
+    budget, and --resume with another one is refused."""
+    def run(out, *extra):
+        args = ["--model", str(tiny_model_dir), "--calibration", str(calib_path), "--out", str(out), *WINDOW,
+                "--systems", "readkv-flexible-kr", "--rates", "2", "--tiered-hot", "4", "--device", "cpu", *extra]
+        assert perplexity.main(args) == 0
+        return json.loads((out / "perplexity.json").read_text()), args
+
+    without, _ = run(tmp_path / "none")
+    with_pages, args = run(tmp_path / "pages", "--key-page-mib", "16")
+    assert "key_page_mib" not in without and with_pages["key_page_mib"] == 16.0
+    assert _rows(with_pages)["h4"]["cap_bits"] < _rows(without)["h4"]["cap_bits"]
+    with pytest.raises(ValueError, match="key_page_mib"):
+        perplexity.main([*args[:-2], "--key-page-mib", "8", "--resume"])
+    with pytest.raises(ValueError, match="--key-page-mib must be >= 0"):
+        perplexity.main([*args[:-2], "--key-page-mib", "-1"])
+
+
 @pytest.mark.parametrize("job", [perplexity, passkey, suite])
 @pytest.mark.parametrize("hot", ["9", "-1"])
 def test_bad_hot_planes_are_refused_before_the_model_loads(job, hot, tmp_path):
