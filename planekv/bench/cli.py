@@ -55,21 +55,31 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def _bench_tiering(args: argparse.Namespace) -> int:
+    import os
+
     import torch
 
     from ..evaluation.decode_data import load_data
-    from .tiering import format_table, rows_to_json, run_decode, run_timing
+    from .tiering import TierSetup, format_table, rows_to_json, run_decode, run_timing
 
     console = Console(width=max(140, Console().width))
     say = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
     rows = []
+    try:
+        tier = TierSetup(args.tier, spill_dir=args.spill_dir, store_url=args.store_url,
+                         store_token=args.store_token or os.environ.get("PLANEKV_API_TOKEN"),
+                         block_bytes=None if args.block_kib is None else int(args.block_kib * 1024),
+                         host_bytes=None if args.host_mib is None else int(args.host_mib * 2**20),
+                         deadline_ms=args.deadline_ms)
+    except ValueError as exc:
+        raise SystemExit(f"planekv bench tiering: {exc}") from None
     if not args.timing_only:
         real = {"smollm2": True, "synthetic": False}[args.source]
         data = load_data(real=real, n_tokens=args.tokens, n_steps=args.steps, n_layers=args.layers)
         say(f"decode steps: {data.source}")
         rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
                            prefetch=not args.no_prefetch, reader=args.reader, progress=say,
-                           key_page_mib=args.key_page_mib)
+                           key_page_mib=args.key_page_mib, tier=tier)
     for shape in args.timing or []:
         rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
                            promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
@@ -171,7 +181,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _register_tiering(bsub: argparse._SubParsersAction) -> None:
     from .attention import SHAPES
-    from .tiering import HOTS, POLICIES
+    from .tiering import HOTS, POLICIES, TIERS
 
     t = bsub.add_parser("tiering", help="hot planes on the GPU, refinement planes in host memory: caps, prefetch "
                                         "hits, GPU bytes, step time (docs/TIERING.md)")
@@ -192,6 +202,20 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-prefetch", action="store_true", help="no prefetch (only the pages kept at sealing)")
     t.add_argument("--reader", choices=("reference", "triton"), default="reference",
                    help="the tiered read of the decode steps (Key refinement always runs the reference)")
+    t.add_argument("--tier", choices=TIERS, default="host",
+                   help="decode steps: the refinement planes in host memory, in spill files below a small host tier "
+                        "(nvme) or at the store service below a small host tier (remote)")
+    t.add_argument("--spill-dir", help="--tier nvme: where the spill files go (default: a temporary directory, "
+                                       "removed afterwards)")
+    t.add_argument("--store-url", help="--tier remote: the store service (it must take the format: registered, or "
+                                       "a store without require_registered_format)")
+    t.add_argument("--store-token", help="--tier remote: the store's bearer token (default: $PLANEKV_API_TOKEN)")
+    t.add_argument("--block-kib", type=float, help="--tier nvme / remote: the host tier's block size, KiB (default: "
+                                                   "the 4 KiB header and 4 pages)")
+    t.add_argument("--host-mib", type=float, help="--tier nvme / remote: the host tier's capacity, MiB (default: 2 "
+                                                  "blocks per stream, the rest goes below)")
+    t.add_argument("--deadline-ms", type=float, help="the read policy's deadline: remote fetches that miss it are "
+                                                     "left out and the reads capped (counted)")
     t.add_argument("--timing", nargs="+", choices=sorted(SHAPES), metavar="SHAPE",
                    help="also time these benchmark shapes (CUDA): SDPA, FP8, all-GPU, tiered, whole-chunk offload")
     t.add_argument("--timing-only", action="store_true", help="skip the decode steps")

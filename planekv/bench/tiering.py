@@ -8,6 +8,10 @@ Two parts, one harness:
   that was capped, the prefetch hit rate (bits asked for past the hot planes that were resident), items fetched per
   step and their bytes, and the attention output's error against exact attention beside the all-GPU reader's (the
   same policy, every plane resident). The first ``warmup`` steps fill the promotion cache and are not counted.
+  ``tier`` (:class:`TierSetup`) puts the refinement planes in host memory (the default), in spill files below a
+  small host tier ("nvme") or at the store service below a small host tier ("remote"); each row then also reports
+  the step time (wall, torch reference on the CPU), the bytes each tier holds at the end and the fetch bandwidth
+  of the chosen tier (bytes fetched from it over the time spent fetching).
 - **Step time** (:func:`run_timing`, CUDA; Triton's interpreter for a plumbing run with no meaningful times): on a
   benchmark shape, beside SDPA, FP8 and the all-GPU reader in the same run, the tiered read (FMA stages, its
   promotion cache as prefetch left it after ``warm`` steps of drifting queries), the H2D copy of one step's
@@ -23,6 +27,10 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
+import tempfile
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +42,18 @@ from ..evaluation.decode_data import DecodeData
 from ..kernels import ReaderConfig, TritonReader
 from ..kernels._dispatch import interpreting
 from ..kvstore import ReadPolicy
-from ..kvstore.reference import attention, readkv_rows
-from ..tiering import HotPlanes, PlacementPolicy, Prefetcher, StepTally, TieredCache, tiered_decode_step
+from ..kvstore.reference import attention, readkv_decode, readkv_rows
+from ..tiering import (
+    HotPlanes,
+    PlacementPolicy,
+    Prefetcher,
+    RemoteWriter,
+    SpillTier,
+    StepTally,
+    TieredCache,
+    tiered_decode_step,
+)
+from ..tiering.frame import HEADER_BYTES
 from .attention import SHAPES, Shape, StepData, synthetic_step, time_system
 from .tier_memory import GpuBytes, four_bit_bytes, gpu_bytes, workspace_bytes_per_sequence
 from .timing import sync, time_graphs
@@ -47,6 +65,34 @@ GiB = 1 << 30
 FMA = ReaderConfig(assembly="fma", key_int8=False, value_int8=False)  # the stages that read tiered caches
 POLICIES = ("flex-r4", "flex-r2", "flex-kr-r4", "flex-kr-r2")
 HOTS = (4, 2)
+TIERS = ("host", "nvme", "remote")
+
+
+@dataclass(frozen=True)
+class TierSetup:
+    """Where the decode steps' refinement planes live. ``host``: host memory (16 GiB, the policy's 1 MiB blocks).
+    ``nvme``: a small host tier that spills to files under ``spill_dir`` (None: a temporary directory, removed
+    afterwards). ``remote``: a small host tier over the store service at ``store_url`` (``store_token``; the store
+    must take the format: registered, or a store without ``require_registered_format``). For nvme and remote
+    ``block_bytes`` (default: the 4 KiB header and 4 pages) and ``host_bytes`` (default: 2 blocks per stream, so
+    the other blocks of a stream go below) size the host tier. ``deadline_ms``: the read policy's
+    ``deadline_ms`` (remote fetches that miss it are capped)."""
+
+    tier: str = "host"
+    spill_dir: str | None = None
+    store_url: str | None = None
+    store_token: str | None = None
+    block_bytes: int | None = None
+    host_bytes: int | None = None
+    deadline_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.tier == "remote" and not self.store_url:
+            raise ValueError("the remote tier needs a store service: give its URL (--store-url)")
+        if self.block_bytes is not None and self.block_bytes <= HEADER_BYTES:
+            raise ValueError(f"block_bytes must exceed the {HEADER_BYTES}-byte frame header, got {self.block_bytes}")
 
 
 def policy_named(name: str, k_share: float | None = None) -> ReadPolicy:
@@ -84,6 +130,11 @@ class TierRow:
     used_share: float | None = None  # fetched items the next step read past the hot planes
     rel_err: float | None = None  # attention output vs exact attention
     rel_err_all_gpu: float | None = None  # the all-GPU reader's, same policy
+    tier: str | None = None  # decode steps: where the refinement planes lived (host, nvme, remote)
+    host_mib: float | None = None  # decode steps, at the end: bytes in host memory, spill files, only at the store
+    nvme_mib: float | None = None
+    remote_mib: float | None = None
+    fetch_mib_s: float | None = None  # bytes fetched from the row's tier / seconds spent fetching them
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,10 +142,13 @@ class TierRow:
 
 def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion_mib: float = 64.0,
                warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
-               progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0) -> list[TierRow]:
+               progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0,
+               tier: TierSetup | None = None) -> list[TierRow]:
     """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
     before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages). ``key_page_mib``:
-    the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache)."""
+    the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache). ``tier``:
+    where the refinement planes live (:class:`TierSetup`; default host memory)."""
+    tier = tier or TierSetup()
     codec = data.codec
     n_steps = data.layers[0].q.shape[1]
     if not 0 <= warmup < n_steps:
@@ -102,16 +156,25 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
     say = progress or log.info
     enc = {li.layer: (codec.encode_k(li.k, li.layer), codec.encode_v(li.v, li.layer)) for li in data.layers}
     rows = []
-    for name in policies:
-        policy = policy_named(name, k_share)
-        all_gpu = _all_gpu_error(data, enc, policy, warmup)
-        for hot in hots:
-            row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib)
-            row.rel_err_all_gpu = all_gpu
-            rows.append(row)
-            say(f"{row.system}: caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, hit rate "
-                f"{100 * (row.hit_rate or 0):.1f}%, {row.fetched_per_step:.1f} items fetched a step and layer, "
-                f"error {row.rel_err:.4f} (all-GPU {all_gpu:.4f})")
+    tmp = tempfile.mkdtemp(prefix="planekv-bench-spill-") if tier.tier == "nvme" and not tier.spill_dir else None
+    try:
+        for name in policies:
+            policy = policy_named(name, k_share)
+            if tier.deadline_ms is not None:
+                policy = dataclasses.replace(policy, deadline_ms=tier.deadline_ms)
+            all_gpu = _all_gpu_error(data, enc, policy, warmup)
+            for hot in hots:
+                row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
+                                  dataclasses.replace(tier, spill_dir=tier.spill_dir or tmp))
+                row.rel_err_all_gpu = all_gpu
+                rows.append(row)
+                bw = "" if row.fetch_mib_s is None else f", {row.fetch_mib_s:.1f} MiB/s from {tier.tier}"
+                say(f"{row.system} ({tier.tier}): caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, hit "
+                    f"rate {100 * (row.hit_rate or 0):.1f}%, {row.fetched_per_step:.1f} items fetched a step and "
+                    f"layer{bw}, error {row.rel_err:.4f} (all-GPU {all_gpu:.4f})")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -128,24 +191,90 @@ def _all_gpu_error(data: DecodeData, enc: dict, policy: ReadPolicy, warmup: int)
     return math.sqrt(num / den)
 
 
+def _tiered_for(spec: Any, hot: int, t_last: int, dev: torch.device, promotion_mib: float, key_page_mib: float,
+                tier: TierSetup, n_layers: int) -> tuple[TieredCache, SpillTier | None, RemoteWriter | None]:
+    """The decode steps' cache with its refinement planes in ``tier`` (its spill tier and remote writer, to close);
+    ``n_layers``: the layers the steps fill (the default host part holds 2 blocks of each of their streams)."""
+    kw: dict[str, Any] = {}
+    spill = writer = None
+    block = None
+    if tier.tier != "host":
+        page = (spec.width - hot) * spec.page_size * spec.head_dim // 8  # a K or V page's refinement planes
+        block = tier.block_bytes or HEADER_BYTES + 4 * max(page, 1)
+        streams = n_layers * 2 * spec.n_kv_heads  # one sequence
+        kw["host_bytes"] = tier.host_bytes if tier.host_bytes is not None else 2 * streams * block
+    if tier.tier == "nvme":
+        spill = SpillTier(tier.spill_dir or tempfile.gettempdir(), 64 * GiB, fsync=False)
+        kw["spill"] = spill
+    elif tier.tier == "remote":
+        from ..services.remote_tier import StoreRemoteTier  # the services only for this tier
+
+        writer = RemoteWriter(StoreRemoteTier(tier.store_url or "", tier.store_token, timeout_s=30.0),
+                              submit_timeout_s=60.0)
+        kw["remote"] = writer
+    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last, device=dev,
+                        promotion_bytes=int(promotion_mib * MiB), key_page_bytes=int(key_page_mib * MiB),
+                        sequence_ids=[f"bench-{uuid.uuid4().hex[:12]}"], **kw)
+    if block is not None:
+        cache.host.block_bytes = block  # below the policy's 1 MiB minimum: blocks seal at this size
+    return cache, spill, writer
+
+
 def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
-                warmup: int, prefetch: bool, reader: str, key_page_mib: float = 0.0) -> TierRow:
-    codec, spec = data.codec, data.codec.spec
+                warmup: int, prefetch: bool, reader: str, key_page_mib: float = 0.0,
+                tier: TierSetup | None = None) -> TierRow:
+    spec = data.codec.spec
+    tier = tier or TierSetup()
     lengths = data.layers[0].lengths
     t_last = int(lengths.max())
     dev = torch.device("cuda" if reader == "triton" and torch.cuda.is_available() else "cpu")  # compiled kernels
-    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last, device=dev,
-                        promotion_bytes=int(promotion_mib * MiB), key_page_bytes=int(key_page_mib * MiB))
-    read, used = _reader_for(codec, policy, reader)
+    cache, spill, writer = _tiered_for(spec, hot, t_last, dev, promotion_mib, key_page_mib, tier, len(data.layers))
+    try:
+        return _decode_steps(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
+                             tier, cache, writer)
+    finally:
+        cache.free(0)  # the remote copies too
+        if writer is not None:
+            writer.close(30.0)
+            writer.tier.close()  # type: ignore[attr-defined]
+        cache.host.close()
+        if spill is not None:
+            spill.close()
+
+
+def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
+                  warmup: int, prefetch: bool, reader: str, key_page_mib: float, tier: TierSetup,
+                  cache: TieredCache, writer: RemoteWriter | None) -> TierRow:
+    codec, spec = data.codec, data.codec.spec
+    t_last = int(data.layers[0].lengths.max())
+    dev = cache.device
+    read_fn, used = _reader_for(codec, policy, reader)
+    read_s = 0.0
+
+    def read(q: torch.Tensor, c: TieredCache, layer: int, scale: float | None) -> tuple[torch.Tensor, Any]:
+        nonlocal read_s
+        t0 = time.perf_counter()
+        if read_fn is None:
+            out = readkv_decode(q, c, layer, codec, policy, scale=scale, residency=c.residency(layer))
+        else:
+            out = read_fn(q, c, layer, scale)
+        read_s += time.perf_counter() - t0
+        return out
+
     for li in data.layers:
         kc, vc = enc[li.layer]
         cache.append(li.layer, kc[:, : int(li.lengths[0]) - 1], vc[:, : int(li.lengths[0]) - 1], seq=0)
+    if writer is not None:
+        writer.flush(120.0)
     tally = StepTally()
     pf = Prefetcher() if prefetch else None
     num = den = 0.0
+    host = cache.host
+    step_s, base_bytes, base_s = 0.0, dict(host.read_bytes), dict(host.read_s)
     for s in range(data.layers[0].q.shape[1]):
         if s == warmup:
             tally.restart()  # count from here (the promotion cache has been filled)
+            step_s, read_s, base_bytes, base_s = 0.0, 0.0, dict(host.read_bytes), dict(host.read_s)
         for li in data.layers:
             kc, vc = enc[li.layer]
             t, have = int(li.lengths[s]), cache.length(li.layer, 0)
@@ -153,7 +282,11 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
                 raise ValueError(f"decode step {s} of layer {li.layer} reads {t} tokens, fewer than before ({have})")
             cache.append(li.layer, kc[:, have:t], vc[:, have:t], seq=0)  # the step's own token (if new)
             q = li.q[:, s][None].float().to(dev)  # [1, Hq, d]
+            t0 = time.perf_counter()
             out, _ = tiered_decode_step(q, cache, li.layer, codec, policy, pf, tally, li.scale, read)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            step_s += time.perf_counter() - t0
             if s >= warmup:
                 exact = attention(li.q[:, s: s + 1], li.k[:, :t], li.v[:, :t], torch.tensor([t]), scale=li.scale)
                 num += float((out[0].cpu() - exact[:, 0]).pow(2).sum())
@@ -164,8 +297,16 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
     page_k = (spec.width - hot) * spec.page_size * spec.head_dim / 8
     fetched_bytes = sm["fetched_k"] * vec_k + sm["fetched_v"] * page_v + sm["fetched_kp"] * page_k
     layers_steps = max(1, sm["steps"])
+    got = {k: host.read_bytes[k] - base_bytes[k] for k in host.read_bytes}
+    took = {k: host.read_s[k] - base_s[k] for k in host.read_s}
+    # memory pages are views: their fetch time is the prefetch's (the step less its read) less the lower tiers'
+    took["host"] = max(0.0, step_s - read_s - took["nvme"] - took["remote"])
+    tb = cache.bytes()
     return TierRow(
         source=data.source, system=f"tiered-h{hot}-{name}", reader=used, cap_rate=sm["cap_rate"],
+        tier=tier.tier, step_ms=1e3 * step_s / layers_steps, host_mib=tb.host / MiB, nvme_mib=tb.nvme / MiB,
+        remote_mib=tb.remote / MiB,
+        fetch_mib_s=got[tier.tier] / MiB / took[tier.tier] if got[tier.tier] and took[tier.tier] > 0 else None,
         hit_rate=sm["hit_rate"], kr_hit_rate=sm["kr_hit_rate"] if policy.key_refine else None,
         fetched_per_step=sm["fetched"] / layers_steps,
         fetched_mib_per_step=fetched_bytes / layers_steps / MiB,
@@ -173,7 +314,13 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
         rel_err=math.sqrt(num / den) if den else None, host_gib=cache.bytes().host / GiB,
         promoted_mib=cache.promoted_bytes() / MiB,
         extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": prefetch,
-               "promotion_mib": promotion_mib, "key_page_mib": key_page_mib, "tally": sm})
+               "promotion_mib": promotion_mib, "key_page_mib": key_page_mib, "tally": sm, "tier": tier.tier,
+               "step_ms_note": "wall time of one decode step of one layer (read + prefetch) on this device",
+               "read_ms": 1e3 * read_s / layers_steps, "fetched_bytes": got, "fetch_s": took,
+               "block_bytes": cache.host.block_bytes, "host_capacity_bytes": cache.host.capacity_bytes,
+               "deadline_ms": policy.deadline_ms, "deadline_missed": sm["missed"],
+               "remote_deadline_misses": cache.host.remote_deadline_misses,
+               "remote_writes": None if writer is None else dataclasses.asdict(writer.stats)})
 
 
 def _reader_for(codec: Any, policy: ReadPolicy, reader: str) -> tuple[Any, str]:
@@ -334,10 +481,10 @@ def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: i
 
 # ---- output ----
 
-COLUMNS = ("source", "system", "reader", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
+COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
            "promoted_mib", "max_batch", "cap_rate", "hit_rate", "kr_hit_rate", "fetched_per_step",
            "fetched_mib_per_step",
-           "used_share", "rel_err", "rel_err_all_gpu")
+           "used_share", "rel_err", "rel_err_all_gpu", "host_mib", "nvme_mib", "remote_mib", "fetch_mib_s")
 
 
 def format_table(rows: list[TierRow]) -> str:

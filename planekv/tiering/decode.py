@@ -5,10 +5,15 @@ open page, the promotion cache), counts what it capped, then lets the prefetcher
 the hot planes, for the next step of this layer. On the GPU the promotions are copies on their own stream that the
 next step's allocations see if they have landed; here they land at once (the same plan, the same caps when they
 do).
+
+Deadline: with ``ReadPolicy.deadline_ms`` (or ``deadline``, a ``time.monotonic()`` time) the step's prefetch brings
+from the remote tier only what arrives by the deadline, counted from the step's start; what does not is left for a
+later step and read at the resident depth meanwhile (a cap, counted). The read itself never waits on a tier.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,9 +29,14 @@ Read = Callable[[torch.Tensor, TieredCache, int, float | None], tuple[torch.Tens
 
 def tiered_decode_step(q: torch.Tensor, cache: TieredCache, layer: int, codec: Codec, policy: ReadPolicy,
                        prefetcher: Prefetcher | None = None, tally: StepTally | None = None,
-                       scale: float | None = None, read: Read | None = None) -> tuple[torch.Tensor, ReadStats]:
+                       scale: float | None = None, read: Read | None = None,
+                       deadline: float | None = None) -> tuple[torch.Tensor, ReadStats]:
     """q [B, Hq, d] -> out [B, Hq, d] (float32), stats (with caps, see ``readkv_rows``); then prefetch. ``read``
-    (q, cache, layer, scale) -> (out, stats) replaces the reference read (e.g. ``TritonReader.decode_tiered``)."""
+    (q, cache, layer, scale) -> (out, stats) replaces the reference read (e.g. ``TritonReader.decode_tiered``).
+    ``deadline`` (``time.monotonic()`` seconds; default: the step's start plus ``policy.deadline_ms``, if set):
+    remote fetches of the prefetch that do not arrive by then are skipped (the module docstring)."""
+    if deadline is None and policy.deadline_ms is not None:
+        deadline = time.monotonic() + policy.deadline_ms / 1e3
     residency = cache.residency(layer)
     if read is None:
         out, stats = readkv_decode(q, cache, layer, codec, policy, scale=scale, residency=residency)
@@ -35,7 +45,7 @@ def tiered_decode_step(q: torch.Tensor, cache: TieredCache, layer: int, codec: C
     if tally is not None:
         tally.add(layer, stats, cache.hot_k[layer], cache.hot_v[layer], codec.spec.page_size)
     if prefetcher is not None:
-        plan = prefetcher.run(cache, layer, stats, residency)
+        plan = prefetcher.run(cache, layer, stats, residency, deadline=deadline)
         if tally is not None:
             tally.fetched_for_next(layer, plan)
     return out, stats

@@ -15,12 +15,23 @@ With a remote tier (``remote=``, a ``planekv.tiering.RemoteWriter`` over a ``Rem
 every sealed block is also queued for writing there (write-behind); when memory is full and the spill tier cannot
 make room (or there is none), sealed blocks whose remote write has completed are dropped from memory, least
 recently read first, and their pages are read back from the remote tier (the frame verified against its key).
+
+Reads with a deadline (:meth:`HostTier.fetch_within`, what prefetch calls under a step's deadline): the blocks held
+only remotely that a promotion needs are fetched on a small thread pool with the time left (handed to the remote
+tier as its timeout where it takes one, ``remote_tier.get_frame_within``); the caller waits no later than the
+deadline, and what has not arrived (or failed) by then is reported missing (the promotion skips it and the read
+that wanted it is capped), never waited for. Frames that arrived are cached back in memory where they fit, else
+held until :meth:`release_staged`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +39,7 @@ import torch
 from ..kvstore.errors import FormatMismatch
 from .errors import BlockCorrupt, BlockError, RemoteBlockMissing, TierFull
 from .frame import HEADER_BYTES, BlockKey, aligned, frame_header, verify_frame
+from .remote_tier import get_frame_within
 from .remote_writer import RemoteWriter
 from .spill_tier import SpillTier
 
@@ -70,6 +82,15 @@ class HostTier:
         self.remote = remote
         self.remote_skipped = 0  # sealed blocks not queued for the remote tier (its queue stayed full)
         self.remote_fetches = 0  # frames read back from the remote tier
+        self.remote_deadline_misses = 0  # remote frames a deadline read did not get in time (or that failed)
+        # bytes and seconds of the reads each place served (page() and deadline fetches): "host" (memory: the
+        # bytes of the views handed out, no time), "nvme" (spill files), "remote" (whole frames fetched)
+        self.read_bytes = {"host": 0, "nvme": 0, "remote": 0}
+        self.read_s = {"host": 0.0, "nvme": 0.0, "remote": 0.0}
+        self._staged: dict[BlockKey, torch.Tensor] = {}  # frames fetched within a deadline that memory had no room for
+        self._pool: ThreadPoolExecutor | None = None
+        # remote copies drop_sequence leaves in place: keys another cache also holds (replace_placement)
+        self.keep_remote: set[BlockKey] = set()
         self._streams: dict[StreamKey, _Stream] = {}
         self._used = 0
         self._reads = 0
@@ -215,8 +236,23 @@ class HostTier:
         """The frame of a block held only remotely (uint8 [frame bytes]), verified against its key; cached back
         in memory when it fits without dropping anything. RemoteBlockMissing / BlockCorrupt: never wrong bytes."""
         assert self.remote is not None and blk.key is not None
+        staged = self._staged.get(blk.key)
+        if staged is not None:
+            return staged
+        t0 = time.perf_counter()
         frame = self.remote.tier.get_frame(blk.key)
+        self._count_remote(frame, time.perf_counter() - t0)
+        return self._install(blk, frame)
+
+    def _count_remote(self, frame: bytes | None, seconds: float) -> None:
         self.remote_fetches += 1
+        self.read_bytes["remote"] += len(frame or b"")
+        self.read_s["remote"] += seconds
+
+    def _install(self, blk: _Block, frame: bytes | None, stage: bool = False) -> torch.Tensor:
+        """``frame`` (fetched for ``blk``) verified and cached back in memory where it fits without dropping
+        anything (else, with ``stage``, held until release_staged); RemoteBlockMissing / BlockCorrupt."""
+        assert blk.key is not None
         if frame is None:
             raise RemoteBlockMissing(f"block {blk.key} is held only by the remote tier, which no longer has it")
         try:
@@ -228,7 +264,94 @@ class HostTier:
             blk.buf = buf.pin_memory() if self.pinned else buf
             self._used += buf.numel()
             blk.remote_only = False
+        elif stage:
+            self._staged[blk.key] = buf
         return buf
+
+    def _find(self, stream: StreamKey, slot: int) -> _Block | None:
+        st = self._streams.get(stream)
+        if st is not None:
+            for blk in st.blocks:
+                if blk.first_slot <= slot < blk.first_slot + blk.n_pages:
+                    return blk
+        return None
+
+    def fetch_within(self, pages: Iterable[tuple[StreamKey, int]], deadline: float) -> set[tuple[StreamKey, int]]:
+        """Make ``pages`` ((stream, slot) pairs) readable without waiting on the remote tier, by ``deadline``
+        (``time.monotonic()`` seconds): the blocks among them held only remotely are fetched concurrently, each
+        with the time left as its timeout, and this returns no later than the deadline (plus the time to verify
+        what arrived). Returns the pages still held only remotely (their fetch missed the deadline, failed, or
+        the frame did not check: counted in ``remote_deadline_misses``, logged); a page of a block that arrived
+        reads from memory (cached back, or staged until :meth:`release_staged`). Pages not held here are
+        ignored (``page`` raises KeyError for them as before)."""
+        if self.remote is None:
+            return set()
+        want: dict[BlockKey, tuple[_Block, list[tuple[StreamKey, int]]]] = {}
+        with self._lock:
+            for stream, slot in pages:
+                blk = self._find(stream, slot)
+                if blk is None or not blk.remote_only or blk.key is None or blk.key in self._staged:
+                    continue
+                want.setdefault(blk.key, (blk, []))[1].append((stream, slot))
+        if not want:
+            return set()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="planekv-remote-read")
+        tier = self.remote.tier
+        t0 = time.perf_counter()
+        futs: dict[BlockKey, Future] = {}
+        for key in want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            futs[key] = self._pool.submit(get_frame_within, tier, key, left)
+        if futs:
+            wait_futures(list(futs.values()), timeout=max(0.0, deadline - time.monotonic()))
+        spent = time.perf_counter() - t0
+        missing: set[tuple[StreamKey, int]] = set()
+        got_bytes = 0
+        with self._lock:
+            for key, (blk, need) in want.items():
+                fut = futs.get(key)
+                frame, why = None, "the deadline passed before it was asked for"
+                if fut is not None and fut.done() and not fut.cancelled():
+                    try:
+                        frame = fut.result()
+                        why = "" if frame is not None else "the remote tier no longer has it"
+                    except Exception as exc:  # noqa: BLE001 - a failed or timed-out fetch: capped, not raised
+                        why = f"{type(exc).__name__}: {exc}"
+                elif fut is not None:
+                    fut.cancel()  # not started: never runs; running: its timeout ends it, the result is dropped
+                    why = "it did not arrive by the deadline"
+                if frame is not None:
+                    got_bytes += len(frame)
+                    self.remote_fetches += 1
+                    if blk.remote_only and self._find(need[0][0], need[0][1]) is blk:  # still ours, still remote
+                        try:
+                            self._install(blk, frame, stage=True)
+                            continue
+                        except (BlockCorrupt, RemoteBlockMissing) as exc:
+                            why = str(exc)
+                    else:
+                        continue
+                self.remote_deadline_misses += 1
+                log.info("host tier: %s not fetched within the deadline (%s); its pages read at the resident depth",
+                         key, why)
+                missing.update(need)
+            self.read_bytes["remote"] += got_bytes
+            self.read_s["remote"] += spent
+        return missing
+
+    def release_staged(self) -> None:
+        """Forget the frames :meth:`fetch_within` held beside memory (after the promotions that needed them)."""
+        with self._lock:
+            self._staged.clear()
+
+    def close(self) -> None:
+        """Stop the deadline fetches' threads (a fetch still running ends at its timeout)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def page(self, stream: StreamKey, slot: int) -> torch.Tensor:
         """The bytes of the page at ``slot`` (uint8 [page bytes]: a view in memory, a fresh tensor read from the
@@ -247,7 +370,12 @@ class HostTier:
                                 buf[off: off + st.page_bytes].clone()
                         if blk.buf is None:  # spilled
                             assert self.spill is not None and blk.key is not None
-                            return self.spill.read_page(blk.key, slot - blk.first_slot)
+                            t0 = time.perf_counter()
+                            data = self.spill.read_page(blk.key, slot - blk.first_slot)
+                            self.read_s["nvme"] += time.perf_counter() - t0
+                            self.read_bytes["nvme"] += st.page_bytes
+                            return data
+                        self.read_bytes["host"] += st.page_bytes
                         return blk.buf[off: off + st.page_bytes]
         raise KeyError(f"the host tier holds no page {slot} of {stream}")
 
@@ -270,16 +398,24 @@ class HostTier:
                 out.append((b.key, b.buf[: HEADER_BYTES + aligned(b.n_pages * st.page_bytes)]))
         return out
 
+    def sealed_keys(self) -> set[BlockKey]:
+        """The keys of every sealed block held (in memory, spilled or only remotely)."""
+        with self._lock:
+            return {b.key for st in self._streams.values() for b in st.blocks if b.key is not None}
+
     def drop_sequence(self, sequence_id: str) -> int:
-        """Free every block of a sequence (their remote copies too, best effort); returns the bytes freed."""
+        """Free every block of a sequence (their remote copies too, best effort, except those in
+        ``keep_remote``); returns the bytes freed."""
         with self._lock:
             gone = [k for k in self._streams if k[0] == sequence_id]
             freed = sum(b.buf.numel() for k in gone for b in self._streams[k].blocks if b.buf is not None)
             for k in gone:
                 for b in self._streams[k].blocks:
+                    if b.key is not None:
+                        self._staged.pop(b.key, None)
                     if b.buf is None and not b.remote_only and b.key is not None and self.spill is not None:
                         self.spill.delete(b.key)
-                    if b.key is not None and self.remote is not None:
+                    if b.key is not None and self.remote is not None and b.key not in self.keep_remote:
                         self.remote.discard(b.key)
                 del self._streams[k]
             self._used -= freed

@@ -16,6 +16,12 @@ Items already resident are touched first (kept from eviction, least demanded fir
 most recent); then missing items are brought, most demanded first, up to the per-step limits and never more than
 the free room that does not evict an item this plan just touched. :class:`StepTally` counts what each step wanted
 past the hot planes, what was served from the promotion cache (the hit rate) and what was capped.
+
+**Deadlines** (``run(..., deadline=)``, ``tiered_decode_step`` passes the step's ``ReadPolicy.deadline_ms``): the
+items to bring whose pages are held only by the remote tier are fetched by the deadline
+(``HostTier.fetch_within``) before anything is promoted; an item whose pages did not arrive is left out of the
+plan (``PrefetchPlan.missed``), so the next step reads it at the resident depth, a cap it counts. Local pages
+(memory, spill files) are not subject to the deadline.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class PrefetchPlan:
     v_fetch: list[tuple[int, int, int]]
     kp_keep: list[tuple[int, int, int]] = field(default_factory=list)
     kp_fetch: list[tuple[int, int, int]] = field(default_factory=list)
+    missed: int = 0  # items left out: their remote pages did not arrive by the deadline
 
 
 @dataclass(frozen=True)
@@ -148,16 +155,53 @@ class Prefetcher:
         room = max(0, slots - kept)  # bringing more would evict what this plan keeps
         return room if limit is None else min(room, limit)
 
-    def run(self, target: PromotionTarget, layer: int, stats: ReadStats, residency: Residency) -> PrefetchPlan:
-        """Plan after a step of ``layer`` and promote into ``target``; returns the plan."""
+    def run(self, target: PromotionTarget, layer: int, stats: ReadStats, residency: Residency,
+            deadline: float | None = None) -> PrefetchPlan:
+        """Plan after a step of ``layer`` and promote into ``target``; returns the plan. ``deadline``
+        (``time.monotonic()`` seconds): remote pages that do not arrive by then are not promoted (the module
+        docstring)."""
         k_slots, v_slots = target.promotion_slots(layer)
         plan = self.plan(stats, residency, target.hot_k[layer], target.hot_v[layer],
                          target.spec.page_size, k_slots, v_slots, target.key_page_slots(layer))  # type: ignore[attr-defined]
-        target.promote_keys(layer, plan.k_keep + plan.k_fetch)
-        target.promote_values(layer, plan.v_keep + plan.v_fetch)
-        if plan.kp_keep or plan.kp_fetch:
-            target.promote_key_pages(layer, plan.kp_keep + plan.kp_fetch)
+        host = getattr(target, "host", None)
+        timed = deadline is not None and host is not None and getattr(host, "remote", None) is not None
+        if timed:
+            plan = self._within_deadline(target, layer, plan, deadline)  # type: ignore[arg-type]
+        try:
+            target.promote_keys(layer, plan.k_keep + plan.k_fetch)
+            target.promote_values(layer, plan.v_keep + plan.v_fetch)
+            if plan.kp_keep or plan.kp_fetch:
+                target.promote_key_pages(layer, plan.kp_keep + plan.kp_fetch)
+        finally:
+            if timed:
+                host.release_staged()  # type: ignore[union-attr]
         return plan
+
+    @staticmethod
+    def _within_deadline(target: PromotionTarget, layer: int, plan: PrefetchPlan, deadline: float) -> PrefetchPlan:
+        """``plan`` without the items whose pages the remote tier did not deliver by ``deadline``: a Key
+        channel-plane needs every sealed Key page of its head, a Value / Key page itself."""
+        host, seqs = target.host, target.sequence_ids  # type: ignore[attr-defined]
+        p = target.spec.page_size  # type: ignore[attr-defined]
+
+        def k_pages(b: int, h: int) -> list[tuple[tuple[str, str, int, int], int]]:
+            stream = (seqs[b], "k", layer, h)
+            return [(stream, s) for s in range(target.length(layer, b) // p)]  # type: ignore[attr-defined]
+
+        need: list[tuple[tuple[str, str, int, int], int]] = []
+        for b, h in dict.fromkeys((b, h) for b, h, _, _ in plan.k_fetch):
+            need += k_pages(b, h)
+        need += [((seqs[b], "v", layer, h), s) for b, h, s in plan.v_fetch]
+        need += [((seqs[b], "k", layer, h), s) for b, h, s in plan.kp_fetch]
+        missing = host.fetch_within(need, deadline)
+        if not missing:
+            return plan
+        k_fetch = [it for it in plan.k_fetch if not any(pg in missing for pg in k_pages(it[0], it[1]))]
+        v_fetch = [it for it in plan.v_fetch if ((seqs[it[0]], "v", layer, it[1]), it[2]) not in missing]
+        kp_fetch = [it for it in plan.kp_fetch if ((seqs[it[0]], "k", layer, it[1]), it[2]) not in missing]
+        missed = len(plan.k_fetch) + len(plan.v_fetch) + len(plan.kp_fetch) - len(k_fetch) - len(v_fetch) \
+            - len(kp_fetch)
+        return PrefetchPlan(plan.k_keep, k_fetch, plan.v_keep, v_fetch, plan.kp_keep, kp_fetch, missed)
 
 
 @dataclass
@@ -179,6 +223,7 @@ class StepTally:
     fetched_used: int = 0
     kr_wanted: int = 0  # tokens Key refinement chose (token x KV head)
     kr_served: int = 0  # of those, read at depth W (their Key page on the device)
+    missed: int = 0  # items prefetch left out: their remote pages did not arrive by the step's deadline
     steps: int = 0
     _pending: dict[int, PrefetchPlan] = field(default_factory=dict, repr=False)
 
@@ -223,6 +268,7 @@ class StepTally:
 
     def fetched_for_next(self, layer: int, plan: PrefetchPlan) -> None:
         self._pending[layer] = plan
+        self.missed += plan.missed
 
     def restart(self) -> None:
         """Zero the totals (e.g. after warm-up steps), keeping what was fetched for the next step."""
@@ -250,4 +296,5 @@ class StepTally:
                 "cap_rate": self.cap_rate, "beyond_hot_bits": self.beyond_hot_bits, "served_bits": self.served_bits,
                 "hit_rate": self.hit_rate, "fetched": self.fetched, "fetched_k": self.fetched_k,
                 "fetched_v": self.fetched_v, "fetched_kp": self.fetched_kp, "fetched_used": self.fetched_used,
-                "kr_wanted": self.kr_wanted, "kr_served": self.kr_served, "kr_hit_rate": self.kr_hit_rate}
+                "kr_wanted": self.kr_wanted, "kr_served": self.kr_served, "kr_hit_rate": self.kr_hit_rate,
+                "missed": self.missed}

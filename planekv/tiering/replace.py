@@ -8,6 +8,14 @@ every layer has moved is the old cache freed; if anything fails on the way (a bu
 the new cache is dropped and the old one is untouched. Peak memory: both caches at once (device pools, host tiers;
 the new one spills to its own directory beside the old one's). A policy change is rare and happens between decode
 steps.
+
+With a remote tier the new cache writes its sealed blocks through the same ``RemoteWriter``. A block's key names
+its content: format, sequence, K or V, layer, KV head, page range and plane range ``[h, W)``, so a layer whose hot
+depth changes gets keys of other planes, and a key both caches hold (a layer whose hot depth and block size stay)
+names the same bytes (the same codes of the same pages and planes), written once more by the new cache (the store
+takes the same bytes again as a no-op). After the swap the old cache's remote copies are deleted except the keys the
+new cache holds; if the move fails, the new cache's copies are deleted except the keys the old cache holds. Old
+copies being read by the move are fetched before anything is deleted.
 """
 
 from __future__ import annotations
@@ -57,30 +65,37 @@ def stored_codes(cache: TieredCache, layer: int, b: int) -> tuple[torch.Tensor, 
     return k, v
 
 
-def replace_placement(cache: TieredCache, policy: PlacementPolicy) -> TieredCache:
+def replace_placement(cache: TieredCache, policy: PlacementPolicy, block_bytes: int | None = None) -> TieredCache:
     """A new TieredCache under ``policy`` (same format, batch, tokens, budgets and sequence ids; a spill tier of
     the same root and capacity) holding every code of ``cache``, which is then freed. Anything that fails leaves
     ``cache`` as it was (the exceptions TieredCache raises: a policy that does not fit the format, CacheFull,
-    TierFull). A cache with a remote tier is refused (NotImplementedError) before anything is made: the new cache's
-    blocks would share keys with the old one's where a layer's hot planes do not change, and freeing the old cache
-    deletes their remote copies."""
-    if cache.host.remote is not None:
-        raise NotImplementedError("replace_placement does not move a cache with a remote tier yet (the old and new "
-                                  "caches' remote copies share keys); make the new cache and refill it instead")
+    TierFull). With a remote tier the new cache shares the old one's ``RemoteWriter``; the old cache's remote copies
+    whose keys the new cache does not hold are deleted after the swap (the module docstring). ``block_bytes``: the
+    new host tier's block size (default: the policy's)."""
+    writer = cache.host.remote
     old_spill = cache.host.spill
     spill = None if old_spill is None else SpillTier(old_spill.root, old_spill.capacity_bytes, old_spill.backend,
                                                      old_spill.fsync)
+    new: TieredCache | None = None
     try:
         new = TieredCache(cache.spec, cache.batch_size, policy, cache.max_tokens, device=cache.device,
-                          sequence_ids=list(cache.sequence_ids), spill=spill, **cache.budgets)
+                          sequence_ids=list(cache.sequence_ids), spill=spill, remote=writer, **cache.budgets)
+        if block_bytes is not None:
+            new.host.block_bytes = block_bytes
         for layer in range(cache.spec.n_layers):
             for b in range(cache.batch_size):
                 k, v = stored_codes(cache, layer, b)
                 new.append(layer, k, v, seq=b)
     except BaseException:
+        if writer is not None and new is not None:
+            new.host.keep_remote = cache.host.sealed_keys()  # the old cache's copies stay
+            for b in range(new.batch_size):
+                new.free(b)
         if spill is not None:
             spill.close()
         raise
+    if writer is not None:
+        cache.host.keep_remote = new.host.sealed_keys()  # the same keys name the same bytes: the new cache's now
     for b in range(cache.batch_size):
         cache.free(b)
     if old_spill is not None:

@@ -98,3 +98,74 @@ def test_a_timing_run_at_a_toy_size() -> None:
     tiered = by["tiered-h4-flex-r4"]
     assert tiered.cap_rate is not None and tiered.extra["tally"]["steps"] == 1 and tiered.fetched_per_step > 0
     assert dataclasses.asdict(tiered)["x_all_gpu"] > 0
+
+
+def _start_store(tmp_path):
+    """A store service (its own process, no Redis index) from the services tests' fixtures, loaded by path (tests/
+    services is not a package); skips, saying why, where those fixtures cannot start one here."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "services" / "conftest.py"
+    name = "planekv_bench_services_fixtures"
+    try:
+        mod = sys.modules.get(name)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod  # its dataclasses look their module up
+            spec.loader.exec_module(mod)
+    except (ImportError, pytest.skip.Exception) as exc:
+        sys.modules.pop(name, None)
+        pytest.skip(f"the store service cannot be started from {path}: {exc}")
+    return mod.start_store(tmp_path, None), mod.TOKEN
+
+
+def test_decode_steps_with_the_refinement_planes_in_each_tier_read_the_same(tmp_path) -> None:
+    """--tier host, nvme (a small host tier spilling to files) and remote (a small host tier over a real store
+    service): the same caps, hits and error (the tiers hold the same bytes, reads are checked), the bytes counted in
+    the chosen tier, a fetch bandwidth for it, the spill directory removed and the store's copies deleted."""
+    from planekv.bench.tiering import TierSetup
+    from planekv.services.clients import StoreClient
+
+    data = synthetic_data(n_tokens=300, n_steps=3, n_layers=2, seed=4)
+    block = 4096 + 2 * 1024  # two pages of 4 refinement planes per block: most blocks seal and go below
+    store, token = _start_store(tmp_path)
+    try:
+        rows = {}
+        for tier in ("host", "nvme", "remote"):
+            setup = TierSetup(tier, spill_dir=str(tmp_path / "spill") if tier == "nvme" else None,
+                              store_url=store.url if tier == "remote" else None, store_token=token,
+                              block_bytes=None if tier == "host" else block)
+            (rows[tier],) = run_decode(data, ["flex-r4"], [4], promotion_mib=0.02, tier=setup)
+        with StoreClient(store.url, token) as sc:
+            assert sc.list_blocks().blocks == []  # the bench's cache was freed: its copies deleted
+    finally:
+        store.stop()
+    host, nvme, remote = rows["host"], rows["nvme"], rows["remote"]
+    for r in rows.values():
+        assert r.step_ms > 0 and r.fetch_mib_s is not None and r.fetch_mib_s > 0, r.tier
+        assert (r.cap_rate, r.hit_rate, r.fetched_per_step) == (host.cap_rate, host.hit_rate, host.fetched_per_step)
+        assert math.isclose(r.rel_err, host.rel_err, rel_tol=1e-6)
+    assert host.tier == "host" and host.nvme_mib == host.remote_mib == 0 and host.host_mib > 0
+    assert nvme.nvme_mib > 0 and nvme.extra["fetched_bytes"]["nvme"] > 0 and nvme.remote_mib == 0
+    assert not any((tmp_path / "spill").iterdir())  # the spill tier removed its files
+    assert remote.remote_mib > 0 and remote.extra["fetched_bytes"]["remote"] > 0 and remote.nvme_mib == 0
+    assert remote.extra["remote_writes"]["failed"] == 0
+    with pytest.raises(ValueError, match="store-url"):
+        TierSetup("remote")
+
+
+def test_the_command_takes_a_tier(tmp_path) -> None:
+    from planekv.cli import main
+
+    out = tmp_path / "tiering.json"
+    rc = main(["bench", "tiering", "--source", "synthetic", "--tokens", "200", "--steps", "2", "--layers", "1",
+               "--policies", "flex-r2", "--hots", "4", "--promotion-mib", "0.01", "--tier", "nvme", "--block-kib", "6",
+               "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tier"] == "nvme" and row["nvme_mib"] > 0 and row["step_ms"] > 0
+    with pytest.raises(SystemExit, match="store-url"):
+        main(["bench", "tiering", "--source", "synthetic", "--tier", "remote"])

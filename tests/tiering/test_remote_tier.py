@@ -222,3 +222,105 @@ def test_a_block_the_full_queue_refuses_stays_in_memory_and_its_page_is_stored(c
     assert all(torch.equal(tier.page(stream, i), _page(0, i)) for i in range(4 * PER_BLOCK))
     gate.set()
     writer.close(5.0)
+
+
+class SlowRemote(FakeRemote):
+    """A FakeRemote whose GETs wait for ``open`` (bounded: at most the timeout they are handed, else 10 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = threading.Event()
+        self.open.set()
+        self.timeouts: list[float] = []
+
+    def get_frame(self, key: BlockKey, timeout_s: float | None = None) -> bytes | None:
+        self.timeouts.append(timeout_s if timeout_s is not None else -1.0)
+        if not self.open.wait(10.0 if timeout_s is None else timeout_s):
+            raise TimeoutError(f"GET {key}: no answer within {timeout_s} s")
+        return super().get_frame(key)
+
+
+def test_a_deadline_read_of_a_stalled_remote_tier_returns_what_is_missing_and_serves_it_once_it_answers():
+    remote = SlowRemote()
+    tier, writer, stream, first = _evicted(remote)
+    pages = [(stream, i) for i in range(PER_BLOCK)]  # the first block's pages, held only remotely
+    remote.open.clear()  # the remote tier stalls
+    t0 = time.monotonic()
+    missing = tier.fetch_within(pages, time.monotonic() + 0.2)
+    assert time.monotonic() - t0 < 5.0  # returned at the deadline, not after the stall (bounded: no hang)
+    assert missing == set(pages) and tier.remote_deadline_misses == 1
+    assert remote.timeouts and 0 < remote.timeouts[0] <= 0.2  # the fetch got the time left as its timeout
+    assert tier.fetch_within(pages, time.monotonic() - 1.0) == set(pages)  # a deadline already past: nothing asked
+    remote.open.set()  # it answers again
+    assert tier.fetch_within(pages, time.monotonic() + 10.0) == set()
+    n = tier.remote_fetches
+    assert all(torch.equal(tier.page(stream, i), _page(0, i)) for i in range(PER_BLOCK))  # from memory now
+    assert tier.remote_fetches == n and tier.read_bytes["remote"] > 0
+    tier.release_staged()
+    tier.close()
+    writer.close(5.0)
+
+
+def test_a_frame_fetched_within_a_deadline_that_memory_has_no_room_for_is_staged_until_released():
+    remote = SlowRemote()
+    tier, writer, stream, first = _evicted(remote)
+    tier.capacity_bytes = tier.used_bytes  # no room to cache it back
+    assert tier.fetch_within([(stream, 0)], time.monotonic() + 10.0) == set()
+    n = tier.remote_fetches
+    assert torch.equal(tier.page(stream, 0), _page(0, 0)) and tier.remote_fetches == n  # the staged frame
+    tier.release_staged()
+    assert torch.equal(tier.page(stream, 0), _page(0, 0)) and tier.remote_fetches == n + 1  # fetched again
+    remote.frames[first] = remote.frames[BlockKey(FID, "seq-0", "k", 0, 0, PER_BLOCK, 2 * PER_BLOCK, 4, 8)]
+    assert tier.fetch_within([(stream, 0)], time.monotonic() + 10.0) == {(stream, 0)}  # a wrong frame: never served
+    tier.close()
+    writer.close(5.0)
+
+
+def test_a_decode_step_over_a_stalled_remote_tier_caps_what_missed_its_deadline_and_counts_it():
+    """The tiered decode step with a deadline over a TieredCache whose blocks are mostly remote-only: while the tier
+    stalls, prefetch leaves out what it could not fetch in time (counted) and the reads are capped, equal to the
+    plane cache's read under the same residency; once the tier answers, the same items are fetched and read."""
+    import dataclasses
+
+    from planekv.kvstore import PlaneKVCache, ReadPolicy
+    from planekv.kvstore.reference import readkv_decode
+    from planekv.tiering import Prefetcher, StepTally, TieredCache, tiered_decode_step
+
+    from .test_tiered_cache import _data, _fill, _policy
+
+    codec, codes, q = _data()
+    flat = _fill(PlaneKVCache(codec.spec, 2), codes)
+    block = HEADER_BYTES + 2 * 1024
+    remote = SlowRemote()
+    writer = RemoteWriter(remote, submit_timeout_s=10.0)
+    cache = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20,
+                        host_bytes=12 * block, remote=writer)
+    cache.host.block_bytes = block
+    _fill(cache, codes)
+    writer.flush(10.0)
+    assert cache.bytes().remote > 0
+    policy = ReadPolicy.flexible(4.0, 0.5, deadline_ms=150.0)
+    pf, tally = Prefetcher(), StepTally()
+
+    def step(pol: ReadPolicy) -> float:
+        res = cache.residency(0)
+        out, stats = tiered_decode_step(q.float(), cache, 0, codec, pol, pf, tally)
+        ref, _ = readkv_decode(q.float(), flat, 0, codec, pol, residency=res)
+        assert torch.equal(out, ref)  # capped exactly where the residency says, never other data
+        return float(stats.extra["k_caps"].sum() + stats.extra["v_caps"].sum())
+
+    remote.open.clear()  # the remote tier stalls
+    t0 = time.monotonic()
+    assert step(policy) > 0
+    assert step(policy) > 0  # what the first step wanted is still not here: capped again
+    assert time.monotonic() - t0 < 10.0  # bounded (each step: its deadline, plus the read)
+    assert tally.missed > 0 and cache.host.remote_deadline_misses > 0
+    remote.open.set()
+    missed, fetches = tally.missed, cache.host.remote_fetches
+    served = dataclasses.replace(policy, deadline_ms=30_000.0)
+    step(served)
+    assert tally.missed == missed and cache.host.remote_fetches > fetches
+    assert bool((cache.residency(0).k_depth > 4).any())  # channel-planes over remote-only pages promoted
+    step(served)
+    cache.host.close()
+    writer.close(5.0)

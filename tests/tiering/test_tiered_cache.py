@@ -361,10 +361,9 @@ class _DictRemote:
 def test_a_host_tier_too_small_with_a_remote_tier_drops_written_blocks_and_everything_promotes_back_equal() -> None:
     """A host tier of a few small blocks with only a remote tier: every sealed block is written there, the blocks
     written are dropped from memory (counted as remote bytes), and promoting every Key channel-plane and Value
-    page reads the plane cache's codes; freeing a sequence deletes its remote copies; replace_placement refuses
-    such a cache for now."""
+    page reads the plane cache's codes; freeing a sequence deletes its remote copies (replace_placement with a
+    remote tier: tests/tiering/test_replace.py)."""
     from planekv.tiering import RemoteWriter
-    from planekv.tiering.replace import replace_placement
 
     codec, codes, _ = _data()
     flat = _fill(PlaneKVCache(codec.spec, 2), codes)
@@ -389,8 +388,6 @@ def test_a_host_tier_too_small_with_a_remote_tier_drops_written_blocks_and_every
             assert torch.equal(tiered.read_k(layer, b, 8), flat.read_k(layer, b, 8))
             assert torch.equal(tiered.read_v(layer, b, 8), flat.read_v(layer, b, 8))
     assert tiered.host.remote_fetches > 0
-    with pytest.raises(NotImplementedError, match="remote tier"):
-        replace_placement(tiered, _policy(3, 2))
     first = tiered.sequence_ids[0]
     tiered.free(0)
     assert remote.frames and all(k.sequence_id != first for k in remote.frames)
