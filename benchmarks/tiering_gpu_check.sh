@@ -1,21 +1,44 @@
 #!/usr/bin/env bash
-# The tiering issue's GPU run (docs/TIERING.md): the full-size checks of the tiered read and the step times.
+# The tiering issue's GPU run (docs/TIERING.md), in stages that each fit one device call (10 minutes) and each
+# leave their log and JSON in the output folder even when cut short (every stage runs under `timeout`, output
+# unbuffered to a file):
 #
 #   # on the GPU machine (the device tool), from the repository root:
-#   bash benchmarks/tiering_gpu_check.sh "$OUT"
+#   bash benchmarks/tiering_gpu_check.sh "$OUT" [STAGE...]      # stages: check r2 r4 smollm2 decode (default all)
 #
-# Writes gpu-tiered.txt (the tiered read against the reference at full size), tiering-timing.json (SDPA, FP8, the
-# all-GPU reader with its default and its FMA stages, the tiered read at h = 4 and 2 (with and without Key
-# refinement, Key pages 64 MiB per layer), the whole-chunk offload
-# baseline, at B = 32 T = 32768 and in SmolLM2's geometry, GPU bytes of a 32-layer model and the largest batch in
-# 40 GiB) and tiering-decode.json (synthetic decode steps through the Triton tiered read: caps and hits).
-set -euo pipefail
-out=${1:?usage: tiering_gpu_check.sh OUT_DIR}
+# check   : the tiered read against the reference at full size (pytest -m gpu tests/gpu -k tiered; ~30 s)
+# r2 / r4 : step times at B = 32 T = 32768 (SDPA, FP8, the all-GPU reader, the tiered read at h = 4 and 2 with and
+#           without Key refinement, the whole-chunk offload baseline; ~400 s each on an H200, compile included)
+# smollm2 : the same in SmolLM2's geometry, R = 4 and 2 (~150 s)
+# decode  : synthetic decode steps through the Triton tiered read: caps, hits, error (tiering-decode.json)
+# Budgets: promotion cache and Key page slots 64 MiB per layer each (BENCHMARKS.md, "Tiering").
+set -uo pipefail
+out=${1:?usage: tiering_gpu_check.sh OUT_DIR [check r2 r4 smollm2 decode]}
+shift
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(check r2 r4 smollm2 decode)
+limit=${STAGE_TIMEOUT_S:-560}
 mkdir -p "$out"
-PYTHONPATH=$PWD python -m pytest -q -m gpu tests/gpu -k tiered -p no:cacheprovider 2>&1 | tee "$out/gpu-tiered.txt" | tail -5
-PYTHONPATH=$PWD python -m planekv.cli bench tiering --timing-only --timing b32-t32k smollm2-b32-t8k \
-  --policies flex-r4 flex-r2 flex-kr-r4 flex-kr-r2 --hots 4 2 --promotion-mib 64 --key-page-mib 64 --reps 30 \
-  --json "$out/tiering-timing.json" | tail -40
-PYTHONPATH=$PWD python -m planekv.cli bench tiering --source synthetic --tokens 8192 --steps 8 --layers 2 \
-  --policies flex-r4 flex-r2 flex-kr-r4 flex-kr-r2 --hots 4 2 --key-page-mib 16 --reader triton \
-  --json "$out/tiering-decode.json" | tail -20
+export PYTHONUNBUFFERED=1
+run() {  # run NAME CMD...: the command under `timeout`, its output in NAME.log; a failure does not stop the rest
+  local name=$1; shift
+  echo "== $name: $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: exit $?"; tail -25 "$out/$name.log"
+}
+timing=(python -m planekv.cli bench tiering --timing-only --promotion-mib 64 --key-page-mib 64 --reps 10 --hots 4 2)
+for stage in "${stages[@]}"; do
+  case $stage in
+    check) run gpu-tiered env PYTHONPATH="$PWD" python -m pytest -q -m gpu tests/gpu -k tiered -p no:cacheprovider ;;
+    r2) run timing-r2 env PYTHONPATH="$PWD" "${timing[@]}" --timing b32-t32k --policies flex-r2 flex-kr-r2 \
+          --json "$out/tiering-timing-r2.json" ;;
+    r4) run timing-r4 env PYTHONPATH="$PWD" "${timing[@]}" --timing b32-t32k --policies flex-r4 flex-kr-r4 \
+          --json "$out/tiering-timing-r4.json" ;;
+    smollm2) run timing-smollm2 env PYTHONPATH="$PWD" "${timing[@]}" --timing smollm2-b32-t8k \
+               --policies flex-r4 flex-r2 --json "$out/tiering-timing-smollm2.json" ;;
+    decode) run decode env PYTHONPATH="$PWD" python -m planekv.cli bench tiering --source synthetic --tokens 8192 \
+              --steps 8 --layers 2 --policies flex-r4 flex-r2 flex-kr-r4 flex-kr-r2 --hots 4 2 --key-page-mib 16 \
+              --reader triton --json "$out/tiering-decode.json" ;;
+    *) echo "unknown stage $stage (check r2 r4 smollm2 decode)"; exit 2 ;;
+  esac
+done
