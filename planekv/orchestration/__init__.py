@@ -2,8 +2,8 @@
 (`planekv up / down / status`) and a handle on running workers (:func:`connect`). Builds on every other component.
 """
 
-from .client import Cluster, connect
+from .client import Cluster, WorkerLost, connect
 from .stack import StackError
 from .worker import PlaneWorker
 
-__all__ = ["Cluster", "PlaneWorker", "StackError", "connect"]
+__all__ = ["Cluster", "PlaneWorker", "StackError", "WorkerLost", "connect"]

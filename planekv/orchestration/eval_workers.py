@@ -5,8 +5,10 @@ torch then runs one thread; restarted by Ray up to ACTOR_MAX_RESTARTS times) eac
 recipe (the driver calibrated once; every worker uses its calibration) and run units; the driver keeps at most
 IN_FLIGHT_PER_ACTOR units queued at each actor and yields results as they finish. A unit whose actor died under it
 (``RayActorError``) runs again once the actor is back (at most UNIT_TRIES tries in all); an actor Ray no longer
-restarts leaves the pool. Every wait is bounded: the workers' start by START_TIMEOUT_S, the units by the job's
-``--unit-timeout`` (no unit finished for that long).
+restarts (``ray.kill``, its restarts spent) leaves the pool and its units run on the others. No unit is lost
+silently: the run yields every unit's result, or raises naming the units not run (every worker gone, a unit's
+worker dead UNIT_TRIES times, a timeout), which ``--resume`` runs. Every wait is bounded: the workers' start by
+START_TIMEOUT_S, the units by the job's ``--unit-timeout`` (no unit finished for that long).
 
 The Ray cluster: with ``address`` None, the one in ``RAY_ADDRESS`` when it is set (a Ray job's driver has it: a
 job submitted with ``planekv eval submit`` runs its units on the cluster it was submitted to), else one started
@@ -87,21 +89,27 @@ class RayExecutor:
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=self.unit_timeout_s)
             if not ready:
                 raise TimeoutError(f"no unit finished in {self.unit_timeout_s:.0f} s (--unit-timeout); "
-                                   f"{len(in_flight)} running, {len(pending)} waiting")
+                                   f"{len(in_flight)} running, {len(pending)} waiting; not run: "
+                                   f"{_keys([u for u, _ in in_flight.values()] + list(pending))} "
+                                   "(`--resume` runs them)")
             unit, i = in_flight.pop(ready[0])
             try:
                 result = ray.get(ready[0], timeout=self.unit_timeout_s)
             except RayActorError as exc:
                 tries[unit.key] = tries.get(unit.key, 0) + 1
                 if tries[unit.key] >= UNIT_TRIES:
-                    raise RuntimeError(f"unit {unit.key}: its worker died under it {UNIT_TRIES} times") from exc
+                    raise RuntimeError(f"unit {unit.key}: its worker died under it {UNIT_TRIES} times; not run: "
+                                       f"{_keys([unit, *(u for u, _ in in_flight.values()), *pending])} "
+                                       "(`--resume` runs them)") from exc
                 log.warning("evaluation worker %d died during unit %s; it runs again once a worker is back",
                             i, unit.key)
                 if i in live and not self._back(i):
                     live.remove(i)
                 if not live:
                     raise RuntimeError("every evaluation worker died (Ray restarts each at most "
-                                       f"{ACTOR_MAX_RESTARTS} times)") from exc
+                                       f"{ACTOR_MAX_RESTARTS} times); not run: "
+                                       f"{_keys([unit, *(u for u, _ in in_flight.values()), *pending])} "
+                                       "(`--resume` runs them)") from exc
                 pending.appendleft(unit)
                 continue
             except RayTaskError as exc:
@@ -137,6 +145,12 @@ class RayExecutor:
         self.actors = []
         if self._connected_here:
             ray.shutdown()
+
+
+def _keys(units: list[Unit], most: int = 20) -> str:
+    """The units' keys, for an error (the first ``most``)."""
+    keys = [u.key for u in units]
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
 def _init_ray(workers: int, address: str | None) -> None:

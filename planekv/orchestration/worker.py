@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..tiering import failpoints
+
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0
@@ -208,7 +210,8 @@ class PlaneWorker:
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids.to(s.device), attention_mask=mask.to(s.device), past_key_values=cache,
-                                 max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+                                 max_new_tokens=max_new, do_sample=False, pad_token_id=pad,
+                                 stopping_criteria=[_EachStep(self._decode_step)])
         dt = time.perf_counter() - t0
         new = out[:, n:].cpu()  # [B, steps + 1]; a finished sequence is filled with pad tokens
         lengths = [_until_eos(new[b], tok.eos_token_id) for b in range(len(each))]
@@ -317,6 +320,13 @@ class PlaneWorker:
                     "hot_planes": None if placement is None else placement.hot_planes.model_dump(),
                     "rows": out}
 
+    def _decode_step(self, tokens: int) -> None:
+        """Called by :meth:`generate` after each token of a batch (``tokens``: generated so far, the prefill's
+        first one included): the failpoint ``worker.decode_step`` (planekv.tiering.failpoints; armed in the
+        worker's process by ``PLANEKV_FAILPOINTS``, e.g. ``worker.decode_step=kill@3`` SIGKILLs it at the third
+        token). A test hook: unarmed it does nothing."""
+        failpoints.hit("worker.decode_step")
+
     def _count_decode(self, cache: Any, steps: int, seconds: float, tiered: bool) -> None:
         st = self.stats_
         st.decode_steps += steps
@@ -362,6 +372,19 @@ class PlaneWorker:
         Gauge("planekv_worker_policy_version", "active placement policy version in use", ["worker"],
               registry=reg).labels(**labels).set(st["policy_version"])
         return generate_latest(reg).decode()
+
+
+class _EachStep:
+    """A stopping criterion of ``model.generate`` that never stops it: it calls ``fn(tokens so far)`` after each
+    token."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self.tokens = fn, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
+        self.tokens += 1
+        self.fn(self.tokens)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _until_eos(new: torch.Tensor, eos: int | None) -> int:

@@ -30,6 +30,7 @@ POINTS = (
     "delete.after_index",  # the index entry is gone; the file is not deleted yet
     "file.write",  # inside the file tier's write (before any byte is written)
     "file.delete",  # inside the file tier's delete
+    "worker.decode_step",  # a PlaneWorker's generation, after each token (planekv.orchestration.worker)
 )
 
 
