@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.metadata
+import json
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ import torch
 from ..kvstore import Calibration, Codec, FormatSpec, PlaneKVCache, ReadPolicy, ReadStats, reference
 from ..kvstore.baselines import KVSystem
 from ..tiering import HotPlanes, PlacementPolicy, Prefetcher, StepTally, TieredCache, tiered_decode_step
+from ..tiering.prefix import PrefixIndex, load_pages, page_keys, prefix_root, publish_pages
 from ..tiering.replace import replace_placement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
@@ -806,3 +808,100 @@ def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, read
     dev = next(model.parameters()).device
     return PlaneKVHFCache(system, geometry(model).n_layers, reader=reader, device=dev, tiering=tiering,
                           dense_prefill=dense_prefill)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix reuse (docs/TIERING.md, "Prefix reuse")
+# ---------------------------------------------------------------------------------------------
+
+
+def prefix_producer(cache: PlaneKVHFCache) -> str:
+    """What decides the codes ``cache`` stores for a prompt, beside the format and the tokens (canonical JSON): its
+    prefill's read mode, its reader, its read policy (a compressed prefill's later layers see the earlier layers'
+    compressed reads) and its tiering (a tiered read caps at the residency). Part of every page key, so pages made
+    another way never match."""
+    t = cache.tiering
+    tiering = None
+    if t is not None:
+        assert cache._placement is not None
+        tiering = {"placement": cache._placement.model_dump(mode="json"), "max_tokens": t.max_tokens,
+                   "promotion_bytes": t.promotion_bytes, "key_page_bytes": t.key_page_bytes, "prefetch": t.prefetch}
+    policy = cache.system.policy.to_dict() if cache.is_readkv else None  # type: ignore[attr-defined]
+    return json.dumps({"prefill": "dense" if cache.dense_prefill else "compressed", "reader": cache.reader_name,
+                       "policy": policy, "tiering": tiering}, sort_keys=True, default=str)
+
+
+def prefix_keys(cache: PlaneKVHFCache, token_ids: torch.Tensor) -> list[bytes]:
+    """The page keys (``planekv.tiering.page_keys``) of ``token_ids`` [N] for ``cache``: rooted in its format and
+    :func:`prefix_producer`; one per whole page."""
+    spec = cache.system.codec.spec  # type: ignore[attr-defined]
+    return page_keys(prefix_root(spec.format_id, prefix_producer(cache)), token_ids, spec.page_size)
+
+
+def _one_prompt(cache: PlaneKVHFCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """Refuse what prefix reuse does not do; the prompt's ids [N] (CPU)."""
+    if not cache.is_readkv:
+        raise ValueError(f"prefix reuse needs a ReadKV system (codes in pages), got {cache.system.name}")
+    if cache.dense_prefill:
+        raise ValueError("prefix reuse needs a cache made with dense_prefill=False: a fresh dense prefill attends "
+                         "its prompt densely, which a prefix loaded as codes cannot; with dense_prefill=False a fresh "
+                         "prefill reads compressed K/V at every position too, and reuse gives its outputs")
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"prefix reuse takes one prompt, input_ids [1, N] with N >= 1, got {tuple(ids.shape)}")
+    return ids[0].cpu()
+
+
+def reuse_prefix(cache: PlaneKVHFCache, index: PrefixIndex, input_ids: torch.Tensor) -> int:
+    """Load into the empty ``cache`` the longest prefix of ``input_ids`` [1, N] that ``index`` holds (whole pages of
+    the same format and producer, at most N - 1 tokens: the last token still runs, for its logits); returns the
+    tokens loaded (0: nothing matched, the cache is left empty). The model then runs on ``input_ids[:, n:]``
+    (``generate`` skips the positions the cache holds by itself; :func:`prefill_with_reuse` does both)."""
+    ids = _one_prompt(cache, input_ids)
+    if not cache._is_empty():
+        raise ValueError("reuse_prefix needs an empty cache (a prefix is loaded before the first step)")
+    spec = cache.system.codec.spec  # type: ignore[attr-defined]
+    pages = index.match(prefix_keys(cache, ids[:-1]), spec.format_id)
+    if not pages:
+        return 0
+    cache._admit(1)
+    assert cache.pages is not None
+    try:
+        n = load_pages(cache.pages, 0, pages)
+    except BaseException:
+        cache.pages.free(0)  # a load that did not fit (CacheFull, TierFull) leaves the cache empty
+        raise
+    for layer in cache.layers:  # as if a step of n tokens (none of them padding) had been written
+        layer.device = cache.device
+        layer.is_initialized = True
+        layer.length = n
+        layer.stored = torch.ones((1, n), dtype=torch.bool)
+    log.debug("prefix reuse: %d of %d prompt tokens loaded (%d pages)", n, ids.numel(), len(pages))
+    return n
+
+
+def publish_prefix(cache: PlaneKVHFCache, index: PrefixIndex, token_ids: torch.Tensor) -> int:
+    """Put the whole pages ``cache`` holds of the sequence ``token_ids`` [1, N] (the ids of its stored tokens from
+    position 0: a prompt, or a prompt and the tokens generated after it) into ``index``; returns the pages added
+    (those already there are left)."""
+    ids = _one_prompt(cache, token_ids)
+    if cache.pages is None or cache.n_sequences != 1:
+        return 0
+    return publish_pages(index, cache.pages, 0, prefix_keys(cache, ids))
+
+
+def prefill_with_reuse(model: Any, cache: PlaneKVHFCache, input_ids: torch.Tensor, index: PrefixIndex,
+                       publish: bool = True) -> tuple[torch.Tensor, int]:
+    """Prefill one prompt ``input_ids`` [1, N] into the empty ``cache`` (``dense_prefill=False``), reusing the longest
+    stored prefix: its pages are loaded (:func:`reuse_prefix`) and the model runs on the other N - n tokens only, at
+    positions n..N-1; then the cache's whole pages are published (``publish``). Returns (logits [1, N - n, vocab] of
+    the positions run, n). The logits and the tokens generated after them are those of a fresh compressed prefill
+    (docs/TIERING.md, "Prefix reuse", says when bit for bit)."""
+    n = reuse_prefix(cache, index, input_ids)
+    ids = input_ids[:, n:]
+    positions = torch.arange(n, input_ids.shape[1], device=ids.device)[None]
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, position_ids=positions, use_cache=True)
+    if publish:
+        publish_prefix(cache, index, input_ids)
+    return out.logits, n

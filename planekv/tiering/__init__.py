@@ -7,7 +7,8 @@ PlacementPolicy document (:mod:`.placement`) that the control plane versions; th
 (:mod:`.tiered_cache`: hot planes on the device, sealed pages' refinement planes in the bounded host
 tier of :mod:`.host_tier`, a promotion cache between; below it the spill tier of :mod:`.spill_tier` and the
 remote tier of :mod:`.remote_tier`, written by :mod:`.remote_writer`), prefetch (:mod:`.prefetch`) and the tiered
-decode step of the torch reference (:mod:`.decode`). docs/TIERING.md is the design.
+decode step of the torch reference (:mod:`.decode`), prefix reuse over chained page keys (:mod:`.prefix`).
+docs/TIERING.md is the design.
 """
 
 from .blockstore import BlockInfo, BlockListener, BlockStore, Lease, PutResult, StoreStats
@@ -47,6 +48,18 @@ from .frame import (
 from .host_tier import HostTier
 from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec, hot_bytes, hot_page_bytes
 from .prefetch import Prefetcher, PrefetchPlan, StepTally
+from .prefix import (
+    PrefixIndex,
+    PrefixPage,
+    PrefixStats,
+    load_pages,
+    page_codes,
+    page_keys,
+    prefix_root,
+    publish_pages,
+    remote_block_key,
+    sealed_pages,
+)
 from .remote_tier import RemoteTier
 from .remote_writer import RemoteWriter, RemoteWriterStats
 from .spill_tier import SpillTier
@@ -63,4 +76,6 @@ __all__ = [
     "PutResult", "RemoteBlockMissing", "RemoteQueueFull", "RemoteTier", "RemoteWriter", "RemoteWriterStats",
     "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
     "decode_frame", "decode_header", "encode_frame", "hot_bytes", "hot_page_bytes", "iter_frames", "verify_frame",
+    "PrefixIndex", "PrefixPage", "PrefixStats", "load_pages", "page_codes", "page_keys", "prefix_root",
+    "publish_pages", "remote_block_key", "sealed_pages",
 ]

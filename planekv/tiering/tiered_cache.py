@@ -334,6 +334,22 @@ class TieredCache:
             if (pos + m) % p == 0:
                 self._seal(layer, seq, (pos + m) // p - 1)
 
+    def load_prefix(self, b: int, k_codes: torch.Tensor, v_codes: torch.Tensor) -> None:
+        """Load a stored prefix (``planekv.tiering.prefix``) into the empty sequence ``b``: codes [L, Hkv, n, d] of
+        every layer, n a whole number of pages. Each page is appended and sealed as a computed one would be: its
+        hot planes in the hot pool, its refinement planes in the host tier (a copy), the most recent pages kept
+        promoted while slots are free."""
+        spec = self.spec
+        if k_codes.dim() != 4 or k_codes.shape[0] != spec.n_layers or k_codes.shape != v_codes.shape:
+            raise ValueError(f"expected K and V codes [{spec.n_layers}, Hkv, n, d] alike, got "
+                             f"{tuple(k_codes.shape)} and {tuple(v_codes.shape)}")
+        if k_codes.shape[2] % spec.page_size:
+            raise ValueError(f"a prefix is whole pages of {spec.page_size} tokens, got {k_codes.shape[2]} tokens")
+        if any(self.length(layer, b) for layer in range(spec.n_layers)):
+            raise ValueError(f"sequence {b} is not empty: a prefix loads into an empty sequence")
+        for layer in range(spec.n_layers):
+            self.append(layer, k_codes[layer].to(self.device), v_codes[layer].to(self.device), seq=b)
+
     def _write(self, layer: int, b: int, pos: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
         """Tokens pos.. of one page of sequence b: hot planes to the hot pool, refinement planes to the open
         buffers and to every promoted Key channel-plane of the head."""
