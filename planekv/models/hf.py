@@ -376,6 +376,7 @@ class Tiering:
     # asked before every decode step: (version, policy) of the placement to use, or None to keep the current one
     # (e.g. planekv.orchestration.policy_source.ControlPolicySource: the control plane's active version)
     policy_source: PolicySource | None = None
+    policy_version: int = 0  # the version of ``placement`` (0: not a control-plane version)
 
 
 class PlaneKVHFCache(Cache):
@@ -419,7 +420,7 @@ class PlaneKVHFCache(Cache):
         self.tier_tally = StepTally()
         self._prefetcher: Prefetcher | None = None
         self._placement: PlacementPolicy | None = None
-        self.policy_version = 0  # the live policy's version in use (0: the placement the cache was made with)
+        self.policy_version = 0 if tiering is None else tiering.policy_version  # the live policy's version in use
         self.policy_refusals: dict[int, str] = {}  # version -> why it could not be applied
         self._tiered_read: Callable[..., tuple[torch.Tensor, ReadStats]] | None = None
         if tiering is not None and not self.is_readkv:

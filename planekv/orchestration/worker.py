@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0
 POLICY_TTL_S = 1.0  # how long a looked-up active policy version is used before asking again
+LIVE_POLICY_TIMEOUT_S = 1.0  # a decode step's question to the control plane waits at most this long
 
 
 @dataclass
@@ -151,6 +152,16 @@ class PlaneWorker:
             self._policy_checked = time.monotonic()
         return self._placement
 
+    def _live_policy_source(self) -> Any:
+        """While following a control-plane policy, a source that a generation's cache asks before every decode step
+        (``planekv.models.hf.Tiering.policy_source``), so a version activated mid-generation is read by the next
+        step; None with a given placement document or no policy."""
+        if self._placement_doc is not None or not (self.policy_name and self.control_url):
+            return None
+        from .policy_source import ControlPolicySource
+
+        return ControlPolicySource(self.control_url, self.policy_name, self.api_token, timeout_s=LIVE_POLICY_TIMEOUT_S)
+
     def set_placement(self, placement: dict | None) -> None:
         """Use this PlacementPolicy document from the next request on (None: follow ``policy`` or none). A
         document that is not a valid policy raises (pydantic's ValidationError, a ValueError) and changes nothing."""
@@ -203,9 +214,11 @@ class PlaneWorker:
         row = SystemRow(system, rate, default_k_share(rate) if system == "readkv-flexible" else None)
         kv = build_system(row, s.codec)
         placement = self.placement() if system.startswith("readkv") else None
+        live = self._live_policy_source() if placement is not None else None
         tiering = None if placement is None else Tiering(
             hot=placement.hot_planes.k, max_tokens=n + max_new + 1,
-            promotion_bytes=int(self.promotion_mib * (1 << 20)), placement=placement)
+            promotion_bytes=int(self.promotion_mib * (1 << 20)), placement=placement, policy_source=live,
+            policy_version=self.stats_.policy_version)
         cache = make_cache(model, kv, reader=self.reader, tiering=tiering)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -213,6 +226,11 @@ class PlaneWorker:
                                  max_new_tokens=max_new, do_sample=False, pad_token_id=pad,
                                  stopping_criteria=[_EachStep(self._decode_step)])
         dt = time.perf_counter() - t0
+        if live is not None:
+            live.close()
+            if cache.policy_version != self.stats_.policy_version:  # a version applied between decode steps
+                self._placement, self.stats_.policy_version = cache.pages.placement, cache.policy_version
+                self._policy_checked = time.monotonic()
         new = out[:, n:].cpu()  # [B, steps + 1]; a finished sequence is filled with pad tokens
         lengths = [_until_eos(new[b], tok.eos_token_id) for b in range(len(each))]
         st = self.stats_
@@ -227,7 +245,8 @@ class PlaneWorker:
                  "new_tokens": m, "batch_size": len(each), "bits_per_scalar": cache.tally.bits_per_scalar,
                  "cap_rate": cache.tier_tally.cap_rate if tiering is not None else None,
                  "tier_bytes": dict(st.tier_bytes), "seconds": dt,
-                 "hot_planes": None if placement is None else placement.hot_planes.k}
+                 "hot_planes": None if placement is None else cache.pages.placement.hot_planes.k,
+                 "policy_version": cache.policy_version if tiering is not None else 0}
                 for b, (x, m) in enumerate(zip(each, lengths, strict=True))]
 
     def score(self, text: str | list[int], window: int = 512, rate: float = 4.0, system: str = "readkv-flexible",

@@ -86,3 +86,30 @@ def test_the_control_plane_stopped_mid_generation_keeps_the_placement(tmp_path, 
             proc.stop()
     assert source.calls == 5 and source.seen == [1, 1]  # the later calls raised (unreachable); the steps went on
     assert cache.policy_version == 1 and cache.pages.hot_k == [2, 2]
+
+
+def test_a_worker_reads_a_version_activated_mid_generation(control, tiny_model_dir):
+    """A PlaneWorker following a control-plane policy gives its generation's cache the control plane as policy
+    source: a version activated after the second token is read from the third on, the result row and the worker's
+    stats record it."""
+    from planekv.orchestration.worker import PlaneWorker
+
+    name = f"worker-{uuid.uuid4().hex[:6]}"
+    with ControlClient(control.url, TOKEN) as ctl:
+        ctl.create_policy(name, SHALLOW)
+        w = PlaneWorker(model=str(tiny_model_dir), calib_tokens=512, device="cpu", name="live", policy=name,
+                        control_url=control.url, api_token=TOKEN)
+        assert w.wait_ready(timeout=300)["state"] == "ready"
+        tokens = []
+
+        def after_each_token(n: int) -> None:
+            tokens.append(n)
+            if n == 2:
+                ctl.update_policy(name, DEEP, "deeper mid-generation", activate=True)
+
+        w._decode_step = after_each_token  # the worker's per-token hook (its failpoint in production)
+        row = w.generate(["It was a truth universally acknowledged, " * 6], max_new_tokens=6, rate=4.0,
+                         chat=False)[0]
+    assert tokens[:3] == [1, 2, 3]
+    assert row["policy_version"] == 2 and row["hot_planes"] == 8
+    assert w.stats()["policy_version"] == 2
