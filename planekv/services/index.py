@@ -7,6 +7,8 @@ Keys (all under ``pkv:``):
                                   tiers, gen, store}: where each block of a sequence is, per store
 ``pkv:store:<store id>:keys``     set of this store's fields above (cleared and republished at start)
 ``pkv:stores``                    hash store id -> JSON {url, capacities, started_at}
+``pkv:heartbeats``                hash store id -> Redis time (unix s) of its last heartbeat (every
+                                  ``HEARTBEAT_INTERVAL_S``; ``POST /v1/stores/{id}/forget`` needs it old)
 ``pkv:tierstats``                 hash ``<tier>:blocks`` / ``<tier>:bytes`` over all stores
 ``pkv:cache:<sequence_id>``       hash: the cache registry entry (format_id, created_at, ...)
 ``pkv:caches``                    zset of sequence ids by creation time
@@ -17,6 +19,14 @@ Keys (all under ``pkv:``):
 
 Block index updates are Lua scripts, so the per-tier totals and the entries never disagree, and a
 late event of one incarnation of a key (``gen``) cannot touch the next one.
+
+A store that never comes back (killed, its data gone, or restarted under another id: the default id is
+host:port) leaves its entries behind, and the control plane refuses to delete their caches. Rule: a
+running store writes a heartbeat every ``HEARTBEAT_INTERVAL_S`` (also before it republishes at start);
+the control plane forgets a store id, removing its entries, only once that heartbeat is older than a
+grace period (``FORGET_GRACE_S`` by default, at least ``FORGET_MIN_GRACE_S``), checked in the same Lua
+script that removes them. A live store that was forgotten (stopped longer than the grace) finds its
+record gone at its next heartbeat and republishes what it holds.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ log = logging.getLogger(__name__)
 
 P = "pkv:"
 K_STORES = P + "stores"
+K_HEARTBEATS = P + "heartbeats"
 K_TIERSTATS = P + "tierstats"
 K_CACHES = P + "caches"
 K_FORMATS = P + "formats"
@@ -45,6 +56,10 @@ K_CALIBRATIONS = P + "calibrations"
 K_CALIBRATION_SEQ = P + "calibrations:seq"
 K_POLICIES = P + "policies"
 CHANNEL_POLICY = P + "policy-activated"
+
+HEARTBEAT_INTERVAL_S = 1.0  # a store's heartbeat period (seconds)
+FORGET_MIN_GRACE_S = 5.0  # the shortest heartbeat silence after which a store id may be forgotten
+FORGET_GRACE_S = 30.0  # the default silence (``POST /v1/stores/{id}/forget?grace_s=``)
 
 
 def k_blocks(sequence_id: str) -> str:
@@ -137,6 +152,15 @@ return 1
 """
 
 
+# KEYS: heartbeats hash, stores hash; ARGV: store id, its stores record (JSON)
+# Returns 1 if the stores record was missing (first beat, or the store was forgotten) and is now written.
+_BEAT = """
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%.3f', tonumber(t[1]) + tonumber(t[2]) / 1e6))
+return redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+"""
+
+
 class FormatConflict(FormatMismatch):
     """The sequence is registered under another format (raised by on_commit; answered 409)."""
 
@@ -157,6 +181,8 @@ class RedisBlockIndex:
         self._commit = client.register_script(_COMMIT)
         self._change = client.register_script(_CHANGE)
         self._remove = client.register_script(_REMOVE)
+        self._beat = client.register_script(_BEAT)
+        self.started_at = time.time()
 
     @classmethod
     def connect(cls, settings: Settings, store_id: str, info: dict[str, Any] | None = None,
@@ -166,7 +192,9 @@ class RedisBlockIndex:
 
         client = redis_sync(settings)
         client.ping()
-        return cls(client, store_id, info, require_format)
+        index = cls(client, store_id, info, require_format)
+        index.beat()  # alive before anything is republished: a forget in flight stops here
+        return index
 
     def _field(self, info: BlockInfo) -> str:
         return f"{info.key}@{self.store_id}"
@@ -207,9 +235,18 @@ class RedisBlockIndex:
         self._remove(keys=[k_blocks(info.key.sequence_id), k_store_keys(self.store_id), K_TIERSTATS],
                      args=[self._field(info), gen])
 
+    def _record(self) -> str:
+        return json.dumps({**self.info, "started_at": self.started_at})
+
+    def beat(self) -> bool:
+        """Write this store's heartbeat (Redis time); True if its ``pkv:stores`` record was missing (a
+        first start without a file tier, or the store was forgotten: its entries are gone, republish)."""
+        return bool(self._beat(keys=[K_HEARTBEATS, K_STORES], args=[self.store_id, self._record()]))
+
     def on_rebuild(self, blocks: list[tuple[BlockInfo, str]]) -> None:
+        self.beat()
         self.drop_store()
-        self.r.hset(K_STORES, self.store_id, json.dumps({**self.info, "started_at": time.time()}))
+        self.r.hset(K_STORES, self.store_id, self._record())
         pipe = self.r.pipeline(transaction=False)
         for info, gen in blocks:
             self._commit_one(info, gen, force=True, client=pipe)
@@ -244,10 +281,13 @@ class RedisBlockIndex:
 
     # ---- lifecycle ----
 
-    def drop_store(self) -> None:
-        """Remove every entry of this store (it is going away, or about to republish)."""
+    def drop_store(self, gone: bool = False) -> None:
+        """Remove every entry of this store (it is going away, or about to republish); ``gone``: also its
+        heartbeat (a clean shutdown: nothing is left to forget)."""
         fields = self.r.smembers(k_store_keys(self.store_id))
         pipe = self.r.pipeline(transaction=False)
+        if gone:
+            pipe.hdel(K_HEARTBEATS, self.store_id)
         for field in fields:
             key = field.rsplit("@", 1)[0]
             seq = key.split(":")[1]

@@ -4,13 +4,22 @@ Interface in the manner of LMCache's storage backends: ``contains / put / get / 
 a miss is ``None``, shared state is guarded by one lock. The protocol is Mooncake Store's:
 
 - **put** verifies the frame, reserves room (choosing LRU victims that hold no lease and marking
-  them *doomed*: still stored, still served, chosen by no other put), writes the new frame (to
-  memory, and also to the file tier in write-through mode or when it is larger than the memory
-  tier), then publishes the metadata (the listener, e.g. a Redis index, first; the local index
-  last). Only once the block is committed are the victims evicted (spilled to the file tier,
-  dropped, or their files deleted). A failure before the commit undoes the reservation, deletes
+  them *doomed*: still stored, still served, chosen by no other put), writes the new frame to the
+  file tier (in write-through mode or when it is larger than the memory tier), then publishes the
+  metadata (the listener, e.g. a Redis index, first). Only once the block is committed are the
+  victims evicted (spilled to the file tier, dropped, or their files deleted); then the block
+  enters memory and the local index. A failure before the commit undoes the reservation, deletes
   what was written and the metadata, releases the victims untouched, and raises: a failed put
   changes nothing else, and readers only ever see complete, immutable blocks.
+- **capacity**: the memory tier's held + reserved bytes never exceed its capacity, also while
+  puts evict. A put reserves only free room; the rest comes from its own victims, each one's bytes
+  passing to it as its memory copy leaves (by the eviction after the commit, or by a DELETE
+  meanwhile), never to another put; so the new frame enters memory only after its victims have
+  left. A put whose room is held by puts in flight waits for them (``room_wait_s``). The file
+  tier's accounting keeps the commit rule instead: a new frame written to it before the commit
+  sits beside the victims it will evict, so the files may exceed ``file_bytes`` by the frames of
+  such puts in flight (write-through or blocks larger than memory; spills are written after their
+  victims' files are deleted).
 - **remove** unpublishes from the listener first, then deletes the file, then the local entry; it
   returns only when the block is gone everywhere. If the listener is unreachable nothing is
   deleted (IndexPublishError); if the file cannot be deleted the listener entry is restored and
@@ -35,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -104,6 +114,7 @@ class _Entry:
     removed: bool = False
     removing: bool = False  # a remove() is in flight: a put of the key waits (BlockBusy)
     doomed: str | None = None  # the tier whose room an in-flight put will take from this victim
+    doomer: _Plan | None = None  # that put (a memory victim's bytes go to it when its copy leaves memory)
 
     def info(self) -> BlockInfo:
         tiers = ((MEMORY,) if self.data is not None else ()) + ((FILE,) if self.on_disk else ())
@@ -130,13 +141,16 @@ _COUNTERS = ("puts", "puts_existing", "put_bytes", "gets_memory", "gets_file", "
 
 @dataclass
 class _Plan:
-    """The victims a put chose (doomed, untouched until the put commits) and the room it reserved."""
+    """The victims a put chose (doomed, untouched until the put commits) and the room it reserved
+    (memory: the free part at once, the rest from its victims as their copies leave memory)."""
 
     spills: list[_Entry] = field(default_factory=list)  # memory victims moving to the file tier
     drop_copy: list[_Entry] = field(default_factory=list)  # memory victims already on the file tier
     lost: list[_Entry] = field(default_factory=list)  # memory victims with no room left anywhere
     evict_file: list[_Entry] = field(default_factory=list)  # file-tier victims, their files deleted
     file_reserved: int = 0  # file-tier bytes reserved (the new block if written there, the spills)
+    mem_reserved: int = 0  # memory bytes reserved for the new block so far (counted in the tier's used bytes)
+    mem_short: int = 0  # memory bytes it still lacks: they come from its victims as their copies leave memory
 
 
 @dataclass
@@ -193,11 +207,14 @@ class Lease:
 
 class BlockStore:
     """Framed blocks in a memory tier of ``memory_bytes`` spilling to ``file_tier`` (capacity
-    ``file_bytes``). Thread-safe; file I/O happens outside the lock."""
+    ``file_bytes``). Thread-safe; file I/O happens outside the lock. The memory tier's held and
+    reserved bytes never exceed ``memory_bytes``; a put that finds the room held by puts in flight
+    waits for them up to ``room_wait_s`` seconds before refusing (StoreFull)."""
 
     def __init__(self, memory_bytes: int, file_tier: FileTier | None = None, file_bytes: int = 0, *,
                  write_through: bool = False, max_block_bytes: int = 64 << 20,
-                 listener: BlockListener | None = None, persist_on_close: bool = True) -> None:
+                 listener: BlockListener | None = None, persist_on_close: bool = True,
+                 room_wait_s: float = 10.0) -> None:
         if memory_bytes < 0 or file_bytes < 0:
             raise ValueError("tier capacities must be >= 0 bytes")
         if write_through and file_tier is None:
@@ -211,6 +228,8 @@ class BlockStore:
         self.listener = listener
         self.persist_on_close = persist_on_close
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a put finishes or a lease is released
+        self.room_wait_s = room_wait_s
         self._index: dict[BlockKey, _Entry] = {}
         self._pending: set[BlockKey] = set()
         # keys with file I/O in flight outside the lock (a spill, a write, a delete), counted: a new
@@ -220,8 +239,8 @@ class BlockStore:
         self._file_lru: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._mem_used = 0
         self._file_used = 0
-        # bytes of doomed victims: still held, already promised to an in-flight put's room
-        self._mem_doomed = 0
+        # memory: held + reserved bytes, never above memory_capacity (a doomed victim's room is its put's alone);
+        # file: bytes of doomed victims, still held, already promised to an in-flight put's room
         self._file_doomed = 0
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -302,24 +321,35 @@ class BlockStore:
         if write_file and (self.file is None or size > self.file_capacity):
             raise BlockTooLarge(f"block of {size} bytes does not fit the memory tier ({self.memory_capacity} bytes)"
                                 f" nor the file tier ({self.file_capacity} bytes)")
+        deadline = time.monotonic() + self.room_wait_s
         with self._lock:
-            if self._closed:
-                raise StoreIOError("the block store is closed")
-            e = self._index.get(key)
-            if e is not None:
-                if e.removing:
-                    raise BlockBusy(f"a DELETE of block {key} is in flight; retry when it has finished")
-                if e.checksum == hdr.checksum and e.size == size:
-                    self._counters["puts_existing"] += 1
-                    return PutResult(e.info(), created=False)
-                raise BlockExists(f"block {key} is already stored with other bytes; blocks are immutable: "
-                                  "DELETE it first or write under a new key")
-            if key in self._pending:
-                raise BlockBusy(f"another PUT of block {key} is in flight; retry when it has finished")
-            if key in self._file_busy:
-                raise BlockBusy(f"block {key}'s previous copy is still being written or deleted on the file tier; "
-                                "retry when it has finished")
-            plan = self._plan_room_locked(size, to_memory, write_file)
+            while True:
+                if self._closed:
+                    raise StoreIOError("the block store is closed")
+                e = self._index.get(key)
+                if e is not None:
+                    if e.removing:
+                        raise BlockBusy(f"a DELETE of block {key} is in flight; retry when it has finished")
+                    if e.checksum == hdr.checksum and e.size == size:
+                        self._counters["puts_existing"] += 1
+                        return PutResult(e.info(), created=False)
+                    raise BlockExists(f"block {key} is already stored with other bytes; blocks are immutable: "
+                                      "DELETE it first or write under a new key")
+                if key in self._pending:
+                    raise BlockBusy(f"another PUT of block {key} is in flight; retry when it has finished")
+                if key in self._file_busy:
+                    raise BlockBusy(f"block {key}'s previous copy is still being written or deleted on the file "
+                                    "tier; retry when it has finished")
+                try:
+                    plan = self._plan_room_locked(size, to_memory, write_file)
+                    break
+                except StoreFull:
+                    # The room is held by puts in flight (their victims, pinned or promised): wait for one
+                    # to finish, within room_wait_s. With none in flight, waiting would not help.
+                    left = deadline - time.monotonic()
+                    if not self._pending or left <= 0:
+                        raise
+                    self._room.wait(left)
             self._pending.add(key)
         gen = uuid.uuid4().hex
         info = BlockInfo(key, size, hdr.checksum, ((MEMORY,) if to_memory else ()) + ((FILE,) if write_file else ()))
@@ -348,9 +378,9 @@ class BlockStore:
         except BaseException:
             with self._lock:
                 self._pending.discard(key)
+                self._room.notify_all()
                 self._counters["put_failures"] += 1
-                if to_memory:
-                    self._mem_used -= size
+                self._mem_used -= plan.mem_reserved
                 self._file_used -= plan.file_reserved
                 for v in plan.spills + plan.drop_copy + plan.lost + plan.evict_file:
                     self._undoom_locked(v)  # the victims stay as they were
@@ -362,19 +392,40 @@ class BlockStore:
             if committed and self.listener is not None:
                 self._emit([("remove", info, gen, "undone")])
             raise
+        # Committed: evict the victims, then (their memory room now the put's) make the block local.
         with self._lock:
-            e = _Entry(key, size, hdr.checksum, gen, data=frame if to_memory else None, on_disk=write_file)
-            self._index[key] = e
-            if to_memory:
-                self.memory.put(key, frame)
-                self._mem_lru[key] = e
-            if write_file:
-                self._file_lru[key] = e
-            self._pending.discard(key)
-            self._counters["puts"] += 1
-            self._counters["put_bytes"] += size
             eviction = self._evict_locked(plan)
         self._run_eviction(eviction)
+        with self._lock:
+            events = self._claim_memory_locked(plan) if plan.mem_short else []
+            self._room.notify_all()  # this put is no longer in flight: a put waiting for room retries
+            if plan.mem_short:  # every other block is leased or promised: undo the put, as before its commit
+                self._pending.discard(key)
+                self._counters["put_failures"] += 1
+                self._mem_used -= plan.mem_reserved
+                if write_file:
+                    self._file_used -= size
+                    self._file_io_begin_locked(key)
+            else:
+                e = _Entry(key, size, hdr.checksum, gen, data=frame if to_memory else None, on_disk=write_file)
+                self._index[key] = e
+                if to_memory:
+                    self.memory.put(key, frame)
+                    self._mem_lru[key] = e
+                if write_file:
+                    self._file_lru[key] = e
+                self._pending.discard(key)
+                self._counters["puts"] += 1
+                self._counters["put_bytes"] += size
+        self._emit(events)
+        if plan.mem_short:
+            if write_file:
+                self._delete_file(key)
+                self._file_io_end(key)
+            self._emit([("remove", info, gen, "undone")])
+            raise StoreFull(f"memory tier full ({self.memory_capacity} bytes) of blocks leased by reads or promised "
+                            f"to puts in flight; block {key} was not stored: retry shortly or raise "
+                            "PLANEKV_STORE__MEMORY_BYTES")
         return PutResult(info, created=True)
 
     def remove(self, key: BlockKey) -> bool:
@@ -497,6 +548,7 @@ class BlockStore:
             if self._closed:
                 return
             self._closed = True
+            self._room.notify_all()  # a put waiting for room gives up now
             todo = [e for e in self._mem_lru.values() if not e.on_disk] if self.persist_on_close else []
         if self.file is None or not todo:
             return
@@ -546,6 +598,7 @@ class BlockStore:
     def _release(self, e: _Entry) -> None:
         with self._lock:
             e.leases -= 1
+            self._room.notify_all()
 
     def _file_io_begin_locked(self, key: BlockKey) -> None:
         """File I/O on ``key`` is about to run outside the lock; a new put of ``key`` waits for it."""
@@ -562,17 +615,15 @@ class BlockStore:
     def _unpublish_locked(self, e: _Entry) -> bool:
         """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted.
         Idempotent: an entry already removed (and a successor under its key) is left alone."""
-        self._undoom_locked(e)
         if e.removed:
+            self._undoom_locked(e)
             return False
         if self._index.get(e.key) is e:
             del self._index[e.key]
         e.removed = True
         if e.data is not None:
-            self.memory.pop(e.key)
-            self._mem_lru.pop(e.key, None)
-            self._mem_used -= e.size
-            e.data = None
+            self._drop_memory_locked(e)
+        self._undoom_locked(e)
         on_disk = e.on_disk
         if on_disk:
             self._file_lru.pop(e.key, None)
@@ -580,19 +631,55 @@ class BlockStore:
             e.on_disk = False
         return on_disk
 
-    def _doom_locked(self, e: _Entry, tier: str) -> None:
-        e.doomed = tier
-        if tier == MEMORY:
-            self._mem_doomed += e.size
-        else:
+    def _drop_memory_locked(self, e: _Entry) -> None:
+        """Drop ``e``'s memory copy. Its bytes go to the put that doomed it, up to what that put still
+        lacks (so no other put can take them first); the rest are free."""
+        self.memory.pop(e.key)
+        self._mem_lru.pop(e.key, None)
+        e.data = None
+        plan = e.doomer if e.doomed == MEMORY else None
+        give = min(e.size, plan.mem_short) if plan is not None else 0
+        if plan is not None:
+            plan.mem_short -= give
+            plan.mem_reserved += give
+        self._mem_used -= e.size - give
+
+    def _doom_locked(self, e: _Entry, tier: str, plan: _Plan) -> None:
+        e.doomed, e.doomer = tier, plan
+        if tier == FILE:
             self._file_doomed += e.size
 
     def _undoom_locked(self, e: _Entry) -> None:
-        if e.doomed == MEMORY:
-            self._mem_doomed -= e.size
-        elif e.doomed == FILE:
+        if e.doomed == FILE:
             self._file_doomed -= e.size
-        e.doomed = None
+        e.doomed = e.doomer = None
+
+    def _claim_memory_locked(self, plan: _Plan) -> list[tuple[str, BlockInfo, str, str]]:
+        """After the commit, the memory a put still lacks (a victim deleted by another request, or whose
+        spill failed): free room first, then the LRU blocks' memory copies now (dropped if on the file
+        tier, else lost). Returns the index events; ``plan.mem_short`` stays > 0 if all are leased or
+        promised."""
+        take = min(plan.mem_short, self.memory_capacity - self._mem_used)
+        plan.mem_short -= take
+        plan.mem_reserved += take
+        self._mem_used += take
+        events: list[tuple[str, BlockInfo, str, str]] = []
+        for e in list(self._mem_lru.values()):
+            if plan.mem_short <= 0:
+                break
+            if e.leases or e.doomed or e.removing:
+                continue
+            self._doom_locked(e, MEMORY, plan)
+            if e.on_disk:
+                self._drop_memory_locked(e)
+                self._undoom_locked(e)
+                events.append(("change", e.info(), e.gen, ""))
+            else:
+                self._unpublish_locked(e)
+                events.append(("remove", e.info(), e.gen, "evicted"))
+                self._counters["evictions_memory"] += 1
+                log.warning("evicted block %s from memory with no room on the file tier: its data is lost", e.key)
+        return events
 
     def _plan_room_locked(self, size: int, to_memory: bool, write_file: bool) -> _Plan:
         """Choose victims so the new block fits and doom them (they stay stored and served until the
@@ -600,7 +687,8 @@ class BlockStore:
         plan = _Plan()
         victims: list[_Entry] = []
         if to_memory:
-            need = self._mem_used - self._mem_doomed + size - self.memory_capacity
+            # Only free room counts: a doomed victim's bytes are promised to the put that doomed it.
+            need = self._mem_used + size - self.memory_capacity
             if need > 0:
                 for e in self._mem_lru.values():
                     if e.leases or e.doomed or e.removing:
@@ -638,11 +726,13 @@ class BlockStore:
                 break
             need_file -= e.size
             plan.evict_file.append(e)
-            self._doom_locked(e, FILE)
+            self._doom_locked(e, FILE, plan)
         for v in victims:
-            self._doom_locked(v, MEMORY)
-        if to_memory:
-            self._mem_used += size
+            self._doom_locked(v, MEMORY, plan)
+        if to_memory:  # the free part now; the rest as the victims' copies leave memory
+            plan.mem_reserved = min(size, self.memory_capacity - self._mem_used)
+            plan.mem_short = size - plan.mem_reserved
+            self._mem_used += plan.mem_reserved
         plan.file_reserved = new_file + sum(v.size for v in plan.spills)
         self._file_used += plan.file_reserved
         return plan
@@ -663,13 +753,10 @@ class BlockStore:
         for v in plan.drop_copy:
             if v.doomed != MEMORY:
                 continue
-            self._undoom_locked(v)
             if v.data is not None:
-                self.memory.pop(v.key)
-                self._mem_lru.pop(v.key, None)
-                self._mem_used -= v.size
-                v.data = None
+                self._drop_memory_locked(v)
                 ev.events.append(("change", v.info(), v.gen, ""))
+            self._undoom_locked(v)
         for v in plan.lost:
             if v.doomed != MEMORY or v.removing:
                 self._undoom_locked(v)
@@ -704,8 +791,9 @@ class BlockStore:
                 self._file_io_end(v.key)
 
     def _spill_one(self, v: _Entry, data: bytes) -> None:
-        """Write one pinned, doomed victim to the file tier and drop its memory copy; if the write
-        fails it stays in memory (over capacity until a later put evicts it), nothing is lost."""
+        """Write one pinned, doomed victim to the file tier and drop its memory copy (its room goes to
+        its put); if the write fails it stays in memory, released, and its put claims room from the
+        LRU blocks instead (:meth:`_claim_memory_locked`)."""
         try:
             assert self.file is not None
             self.file.write(v.key, data)
@@ -723,11 +811,8 @@ class BlockStore:
                 self._file_used -= v.size
                 delete, event = True, None
             else:
+                self._drop_memory_locked(v)
                 self._undoom_locked(v)
-                self.memory.pop(v.key)
-                self._mem_lru.pop(v.key, None)
-                self._mem_used -= v.size
-                v.data = None
                 v.on_disk = True
                 self._file_lru[v.key] = v
                 self._counters["spills"] += 1

@@ -29,6 +29,13 @@ def put_calib(c: httpx.Client, cid: str, blob: bytes) -> httpx.Response:
     return c.put(f"/v1/calibrations/{cid}", content=blob, headers={"content-type": "application/octet-stream"})
 
 
+def calibrated_spec(c: httpx.Client, calib: Calibration, model: str | None = None, **kw: object) -> FormatSpec:
+    """A spec on ``calib``, whose calibration is registered first (a format's calibration must be)."""
+    r = put_calib(c, calib.calibration_id, calib.to_bytes())
+    assert r.status_code in (200, 201), r.text
+    return make_spec(calib, model, **kw)
+
+
 # ---- calibrations
 
 
@@ -140,7 +147,7 @@ def test_the_evaluation_client_contract(control: Proc):
 
 def test_format_registration_is_idempotent_and_conflicts_are_409(ctl):
     calib = make_calibration(6)
-    spec = make_spec(calib)
+    spec = calibrated_spec(ctl, calib)
     r = ctl.put(f"/v1/formats/{spec.format_id}", json=spec.to_dict())
     assert r.status_code == 201 and r.json()["format_id"] == spec.format_id
     assert FormatSpec.from_dict(r.json()["spec"]) == spec
@@ -167,6 +174,22 @@ def test_a_format_that_contradicts_its_calibration_is_409(ctl):
     r = ctl.post("/v1/formats", json=bad.to_dict())
     assert r.status_code == 409 and "calibration" in r.json()["detail"]
     assert ctl.get(f"/v1/formats/{bad.format_id}").status_code == 404
+
+
+def test_a_format_naming_an_unregistered_calibration_is_409_and_registers_nothing(ctl):
+    calib = make_calibration(12)
+    spec = make_spec(calib)
+    for r in (ctl.post("/v1/formats", json=spec.to_dict()), ctl.put(f"/v1/formats/{spec.format_id}",
+                                                                     json=spec.to_dict())):
+        assert r.status_code == 409 and r.json()["error"] == "CalibrationNotRegistered", r.text
+        detail = r.json()["detail"]
+        assert calib.calibration_id in detail and f"PUT /v1/calibrations/{calib.calibration_id}" in detail
+    assert ctl.get(f"/v1/formats/{spec.format_id}").status_code == 404
+    assert spec.format_id not in [f["format_id"] for f in ctl.get("/v1/formats").json()["formats"]]
+    # registered as the message says, the same request succeeds
+    assert put_calib(ctl, calib.calibration_id, calib.to_bytes()).status_code == 201
+    assert ctl.post("/v1/formats", json=spec.to_dict()).status_code == 201
+    assert ctl.get(f"/v1/formats/{spec.format_id}").json()["spec"]["calibration_id"] == calib.calibration_id
 
 
 def test_an_invalid_spec_is_422_with_the_rule(ctl):
@@ -230,7 +253,7 @@ def test_invalid_policies_are_422_with_the_rule(ctl, policy, words):
 
 
 def test_a_policy_bound_to_a_format_is_checked_against_it(ctl):
-    spec = make_spec(make_calibration(9))
+    spec = calibrated_spec(ctl, make_calibration(9))
     name = f"pol-{uuid.uuid4().hex[:6]}"
     r = ctl.post("/v1/policies", json={"name": name, "policy": {"format_id": spec.format_id}})
     assert r.status_code == 400 and "not registered" in r.json()["detail"]
@@ -245,7 +268,7 @@ def test_a_policy_bound_to_a_format_is_checked_against_it(ctl):
 
 
 def test_cache_registry(ctl):
-    spec = make_spec(make_calibration(10))
+    spec = calibrated_spec(ctl, make_calibration(10))
     sq = f"seq-{uuid.uuid4().hex[:8]}"
     r = ctl.put(f"/v1/caches/{sq}", json={"format_id": spec.format_id})
     assert r.status_code == 400 and "not registered" in r.json()["detail"]
@@ -257,7 +280,7 @@ def test_cache_registry(ctl):
     assert d["format_id"] == spec.format_id and d["n_tokens"] == 4096
     assert d["tiers"] == {"gpu": {"blocks": 0, "bytes": 0, "planes": {"k": ["0-3"], "v": ["0-2"]}, "stores": []}}
     assert ctl.put(f"/v1/caches/{sq}", json={"format_id": spec.format_id, "n_tokens": 5000}).status_code == 200
-    other = make_spec(make_calibration(11))
+    other = calibrated_spec(ctl, make_calibration(11))
     ctl.post("/v1/formats", json=other.to_dict())
     r = ctl.put(f"/v1/caches/{sq}", json={"format_id": other.format_id})
     assert r.status_code == 409 and "one format" in r.json()["detail"]

@@ -11,7 +11,7 @@ import httpx
 from planekv.tiering import PlacementPolicy, hot_bytes
 from planekv.tiering.placement import HotPlanes
 
-from .test_control import make_calibration, make_spec
+from .test_control import calibrated_spec, make_calibration
 
 GPU = 1 << 20  # the gpu tier of these policies: 1 MiB
 SMALL = {"k": 2, "v": 2}  # 2 layers x 2 KV heads x d=64: 8192 bytes per 64 tokens
@@ -31,7 +31,7 @@ def _need(spec, hot: dict[str, int], *n_tokens: int) -> int:
 
 
 def _format(ctl: httpx.Client, seed: int, **kw: object):
-    spec = make_spec(make_calibration(seed, **kw))
+    spec = calibrated_spec(ctl, make_calibration(seed, **kw))
     assert ctl.post("/v1/formats", json=spec.to_dict()).status_code == 201
     return spec
 
@@ -131,7 +131,7 @@ def test_a_cache_registration_that_would_overflow_the_gpu_tier_is_refused(ctl):
              GPU, _need(small, BIG, 6000))
     assert ctl.get(f"/v1/caches/{a}").json()["n_tokens"] == 5000
     # a cache whose format the policy cannot apply to (width 4 against W = 8) is refused, naming why
-    narrow = make_spec(make_calibration(45), width=4)
+    narrow = calibrated_spec(ctl, make_calibration(45), width=4)
     assert ctl.post("/v1/formats", json=narrow.to_dict()).status_code == 201
     r = _cache(ctl, narrow, name, 64)
     assert r.status_code == 409 and r.json()["error"] == "PolicyDoesNotFit" and "width" in r.json()["detail"]

@@ -13,7 +13,7 @@ from planekv.services.control import routes_caches, routes_calibrations, routes_
 from planekv.services.request_body import FiniteJSONRoute
 from planekv.services.store import routes as store_routes
 
-from .test_control import make_calibration, make_spec
+from .test_control import calibrated_spec, make_calibration, make_spec
 
 STATS = {"mu_k": [[[0.0] * 8]], "sigma_k": [[[1.0] * 8]], "mu_v": [[[0.5] * 8]], "sigma_v": [[[2.0] * 8]]}
 
@@ -70,7 +70,7 @@ def test_store_refuses_a_boolean_for_a_key(st):
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 def test_control_plane_takes_every_codebook_formatspec_knows(ctl, codebook):
-    spec = make_spec(make_calibration(41), codebook=codebook)
+    spec = calibrated_spec(ctl, make_calibration(41), codebook=codebook)
     r = ctl.post("/v1/formats", json=spec.to_dict())
     assert r.status_code in (200, 201), r.text
     assert r.json()["format_id"] == spec.format_id and r.json()["spec"]["codebook"] == codebook

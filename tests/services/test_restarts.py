@@ -19,7 +19,7 @@ import pytest
 from planekv.tiering import BlockKey, encode_frame
 
 from .conftest import Proc, client, start_control, start_redis, start_store
-from .test_control import make_calibration, make_spec, put_calib
+from .test_control import calibrated_spec, make_calibration, make_spec, put_calib
 from .test_store_faults import assert_consistent, indexed
 from .test_store_lifecycle import blocks
 from .test_store_reconcile import a_block, publish_without_storing
@@ -110,7 +110,7 @@ def test_redis_control_plane_and_store_restarts_lose_nothing(cluster: Cluster):
             assert_registered(ctl, reg, len(bs))
             assert assert_consistent(st, cluster.redis_url, bs) == {str(k) for k, _ in bs}, restart.__name__
             # a sequence keeps its one format across the restart
-            other = make_spec(make_calibration(22))
+            other = calibrated_spec(ctl, make_calibration(22))
             assert ctl.post("/v1/formats", json=other.to_dict()).status_code in (200, 201)
             r = ctl.put(f"/v1/caches/{reg['seq']}", json={"format_id": other.format_id})
             assert r.status_code == 409 and "one format" in r.json()["detail"]

@@ -9,13 +9,13 @@ import uuid
 from planekv.tiering import BlockKey, encode_frame
 
 from .conftest import client, start_store
-from .test_control import make_calibration, make_spec
+from .test_control import calibrated_spec, make_calibration
 
 
 def test_the_store_refuses_blocks_of_a_format_the_control_plane_does_not_know(tmp_path, redis_url, ctl):
     s = start_store(tmp_path, redis_url, "--spill-dir", str(tmp_path / "spill"),
                     PLANEKV_STORE__REQUIRE_REGISTERED_FORMAT="true")  # the default, stated
-    spec = make_spec(make_calibration(31))
+    spec = calibrated_spec(ctl, make_calibration(31))
     seq = f"seq-{uuid.uuid4().hex[:8]}"
     k = BlockKey(spec.format_id, seq, "k", 0, 0, 0, 64, 2, 8)
     frame = encode_frame(k, b"\x01" * 5000)
@@ -36,7 +36,7 @@ def test_the_store_refuses_blocks_of_a_format_the_control_plane_does_not_know(tm
             r = st.put(f"/v1/blocks/{k2}", content=bytes(bad))
             assert r.status_code == 400 and r.json()["error"] == "UnknownFrameVersion" and "7" in r.json()["detail"]
             # the sequence now has this format: a block of another (registered) format is refused
-            other = make_spec(make_calibration(32))
+            other = calibrated_spec(ctl, make_calibration(32))
             assert ctl.post("/v1/formats", json=other.to_dict()).status_code == 201
             k3 = BlockKey(other.format_id, seq, "k", 0, 0, 0, 64, 2, 8)
             r = st.put(f"/v1/blocks/{k3}", content=encode_frame(k3, b"\x02" * 5000))

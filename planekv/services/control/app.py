@@ -16,7 +16,7 @@ from ..common import RequestMetrics, bearer_auth, error_responses, install_error
 from ..docs_page import install_docs
 from ..exposure import check_exposure
 from ..redis_client import check_redis, redact_url, redis_async
-from . import routes_caches, routes_calibrations, routes_formats, routes_ops, routes_policies
+from . import routes_caches, routes_calibrations, routes_formats, routes_ops, routes_policies, routes_stores
 from .body_limit import BodyLimit
 from .context import ControlContext, calibration_dir
 from .metrics import ControlMetrics
@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = bearer_auth(settings.api_token)
     # 400: FastAPI answers a body that is not JSON at all with 400 (invalid JSON is 422).
     common_errors = error_responses(400, 401) if settings.api_token else error_responses(400)
-    for module in (routes_formats, routes_calibrations, routes_policies, routes_caches, routes_ops):
+    for module in (routes_formats, routes_calibrations, routes_policies, routes_caches, routes_stores, routes_ops):
         app.include_router(module.router, dependencies=auth, responses=common_errors)
     return app
 

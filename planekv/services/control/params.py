@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import Path as PathParam
 
-from .schemas import ID16, NAME, SEQ
+from .schemas import ID16, NAME, SEQ, STORE
 
 HexId = Annotated[str, PathParam(pattern=ID16)]  # a format_id or calibration_id
 PolicyName = Annotated[str, PathParam(pattern=NAME)]
 SeqId = Annotated[str, PathParam(pattern=SEQ)]
+StoreId = Annotated[str, PathParam(pattern=STORE)]

@@ -15,11 +15,14 @@ from ...tiering.placement import PlacementPolicy
 from .. import index as ix
 from ..common import error_responses
 from ..request_body import FiniteJSONRoute
-from .context import Context
+from .context import Context, ControlContext
 from .encoding import timestamp
 from .params import SeqId
 from .policy_fit import CacheLoad, check_fit
+from .routes_stores import heartbeat_ages
 from .schemas import CacheDetail, CacheEntry, CacheList, CacheRegister, TierPlanes
+
+LISTED_STORES = 10  # stores checked and named in a refused DELETE
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"], route_class=FiniteJSONRoute)
 
@@ -113,6 +116,19 @@ async def get_cache(sequence_id: SeqId, ctx: Context) -> CacheDetail:
     return await _cache_detail(ctx.redis, sequence_id)
 
 
+async def _silent_stores(ctx: ControlContext, seq: str) -> str:
+    """For a refused DELETE: the stores named by the sequence's entries whose heartbeat is older than the
+    forget grace period, and how to forget them ("" if none)."""
+    stores = sorted({f.rsplit("@", 1)[1] for f in await ctx.redis.hkeys(ix.k_blocks(seq))})[:LISTED_STORES]
+    ages = await heartbeat_ages(ctx, stores)
+    silent = [f"{s} ({'no heartbeat' if a is None else f'last heartbeat {a:.0f} s ago'})" for s, a in ages.items()
+              if a is None or a > ix.FORGET_GRACE_S]
+    if not silent:
+        return ""
+    return (f"; stores without a recent heartbeat: {', '.join(silent)}. If a store is gone for good (its data "
+            "lost), POST /v1/stores/{store_id}/forget removes its entries, then DELETE the cache again")
+
+
 @router.delete("/{sequence_id}", status_code=204, response_class=Response,
                responses=error_responses(404, 409, 503))
 async def delete_cache(sequence_id: SeqId, ctx: Context) -> Response:
@@ -122,7 +138,7 @@ async def delete_cache(sequence_id: SeqId, ctx: Context) -> Response:
     n = await ctx.redis.hlen(ix.k_blocks(sequence_id))
     if n:
         raise HTTPException(409, f"stores still hold {n} blocks of sequence {sequence_id}; DELETE them at the "
-                                 "store first")
+                                 "store first" + await _silent_stores(ctx, sequence_id))
     p = ctx.redis.pipeline(transaction=True)
     p.delete(ix.k_cache(sequence_id))
     p.zrem(ix.K_CACHES, sequence_id)

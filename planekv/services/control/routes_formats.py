@@ -1,6 +1,7 @@
 """``/v1/formats``: FormatSpecs keyed by their ``format_id`` (the hash of the spec's canonical
 JSON). Registering the same spec again is idempotent (200); a spec whose id is not the one it is
-registered under, or that contradicts a registered calibration, is a conflict (409)."""
+registered under, that names a calibration not registered (``CalibrationNotRegistered``), or that
+contradicts its registered calibration, is a conflict (409)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import APIRouter, HTTPException
 from starlette.responses import Response
 
 from ...kvstore import FormatSpec
+from ...kvstore.errors import FormatMismatch
 from .. import index as ix
 from ..common import error_responses
 from ..request_body import FiniteJSONRoute
@@ -18,6 +20,19 @@ from .context import Context, ControlContext
 from .encoding import timestamp
 from .params import HexId
 from .schemas import FormatEntry, FormatList, FormatSpecBody
+
+
+class CalibrationNotRegistered(FormatMismatch):
+    """A format names a calibration the control plane does not have (answered 409, nothing registered)."""
+
+
+def _no_calibration(spec: FormatSpec) -> CalibrationNotRegistered:
+    cid = spec.calibration_id
+    return CalibrationNotRegistered(
+        f"format {spec.format_id} names calibration {cid}, which is not registered; register the calibration "
+        f"first (PUT /v1/calibrations/{cid} with the artifact bytes, Calibration.to_bytes(), or POST "
+        "/v1/calibrations with its statistics), then register the format again; nothing was registered")
+
 
 router = APIRouter(prefix="/v1/formats", tags=["formats"], route_class=FiniteJSONRoute)
 
@@ -42,8 +57,10 @@ async def _register_format(ctx: ControlContext, spec: FormatSpec, claimed: str |
         if got != want:
             raise HTTPException(409, f"the spec conflicts with calibration {spec.calibration_id}: (layers, "
                                      f"KV heads, head_dim, seed_k, seed_v) = {want}, the calibration has {got}")
-    res = await ctx.scripts.format_put(keys=[ix.k_format(fid), ix.K_FORMATS],
+    res = await ctx.scripts.format_put(keys=[ix.k_format(fid), ix.K_FORMATS, ix.k_calibration(spec.calibration_id)],
                                        args=[spec.canonical_json(), timestamp(), fid])
+    if res == -2:  # checked inside the script, atomically with the write (a format already there stays 200)
+        raise _no_calibration(spec)
     if res == -1:
         raise HTTPException(409, f"format {fid} is registered with another spec; formats are immutable")
     entry = await format_entry(ctx.redis, fid)
@@ -55,7 +72,8 @@ async def _register_format(ctx: ControlContext, spec: FormatSpec, claimed: str |
             responses={200: {"model": FormatEntry, "description": "already registered (same spec)"},
                        **error_responses(409, 503)})
 async def put_format(format_id: HexId, body: FormatSpecBody, ctx: Context) -> Response:
-    """Register a format under its id (idempotent); 409 if the id is not the spec's."""
+    """Register a format under its id (idempotent); 409 if the id is not the spec's, or its calibration is
+    not registered (register it first) or contradicts it."""
     return await _register_format(ctx, body.spec(), format_id)
 
 
@@ -63,7 +81,8 @@ async def put_format(format_id: HexId, body: FormatSpecBody, ctx: Context) -> Re
              responses={200: {"model": FormatEntry, "description": "already registered (same spec)"},
                         **error_responses(409, 503)})
 async def post_format(body: FormatSpecBody, ctx: Context) -> Response:
-    """Register a format; its id is computed (idempotent)."""
+    """Register a format; its id is computed (idempotent); 409 if its calibration is not registered (register
+    it first) or contradicts it."""
     return await _register_format(ctx, body.spec(), None)
 
 

@@ -14,6 +14,7 @@ from ..request_body import RequestBody
 ID16 = r"^[0-9a-f]{16}$"  # a format or calibration id: 16 hex digits
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # a placement policy's name
 SEQ = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"  # a sequence id
+STORE = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,199}$"  # a store id (default host:port)
 
 # ---- formats
 
@@ -245,6 +246,32 @@ class Stats(BaseModel):
     caches: int
     stores: dict[str, dict[str, Any]]
     tiers: dict[str, TierTotals]
+
+
+# ---- stores
+
+
+class StoreEntry(BaseModel):
+    """A store id the block index knows: its record, its heartbeat and how many entries it has."""
+
+    store_id: str
+    record: dict[str, Any] | None = Field(description="what the store published at start (url, capacities, "
+                                                        "started_at); null if absent")
+    heartbeat_age_s: float | None = Field(description="seconds since its last heartbeat (Redis time); null if "
+                                                      "none is recorded")
+    index_entries: int = Field(description="block index entries attributed to it")
+
+
+class StoreList(BaseModel):
+    stores: list[StoreEntry]
+    heartbeat_interval_s: float
+    forget_grace_s: float = Field(description="the default grace period of POST /v1/stores/{store_id}/forget")
+
+
+class StoreForgotten(BaseModel):
+    store_id: str
+    index_entries_removed: int
+    heartbeat_age_s: float | None = Field(description="seconds since its last heartbeat; null if none was recorded")
 
 
 class Health(BaseModel):

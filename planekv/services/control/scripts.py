@@ -28,6 +28,7 @@ class ControlScripts:
     policy_activate: AsyncScript
     policy_rollback: AsyncScript
     cache_put: AsyncScript
+    store_forget: AsyncScript
 
     @classmethod
     def register(cls, redis: aioredis.Redis) -> ControlScripts:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
@@ -22,11 +22,15 @@ from ..arguments import add_store_arguments, store_settings
 from ..common import RequestMetrics, bearer_auth, error_responses, install_error_handlers, new_registry, run_uvicorn
 from ..docs_page import install_docs
 from ..exposure import check_exposure
+from ..index import HEARTBEAT_INTERVAL_S
 from ..redis_client import check_redis, redact_url
 from . import routes
 from .context import StoreContext
 from .metrics import StoreCollector
 from .reconcile import Reconciler
+
+if TYPE_CHECKING:
+    from ..index import RedisBlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,28 @@ async def reconcile_every(reconciler: Reconciler, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
 
 
+async def heartbeat_every(index: RedisBlockIndex, reconciler: Reconciler) -> None:
+    """Write the store's heartbeat every HEARTBEAT_INTERVAL_S seconds (the control plane forgets a store
+    id only once it is old). A store that finds its record gone was forgotten while it could not beat
+    (hung, partitioned): its entries were removed, so it republishes what it holds at once."""
+    failing = False
+    while True:
+        try:
+            forgotten = await asyncio.to_thread(index.beat)
+            if failing:
+                log.info("heartbeat written again")
+            failing = False
+            if forgotten:
+                log.warning("this store's record was gone from the index (forgotten by POST /v1/stores/%s/forget "
+                            "while its heartbeat was missing?): republishing its blocks", index.store_id)
+                await asyncio.to_thread(reconciler.run_once)
+        except Exception as exc:  # Redis down or hung: retried next tick, logged once
+            if not failing:
+                log.warning("heartbeat not written: %s", exc)
+            failing = True
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     cfg = settings.store
@@ -89,18 +115,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         registry.register(StoreCollector(store, reconciler))
         log.info("store %s serving %d blocks (memory %d B, file tier %s, %d B)", store_id, len(store),
                  cfg.memory_bytes, spill_dir(settings) if cfg.file_bytes else "off", cfg.file_bytes)
-        task = asyncio.create_task(reconcile_every(reconciler, cfg.reconcile_interval_s))
+        tasks = [asyncio.create_task(reconcile_every(reconciler, cfg.reconcile_interval_s))]
+        if index is not None:
+            tasks.append(asyncio.create_task(heartbeat_every(index, reconciler)))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await run_in_threadpool(reconciler.close)  # a run still in its thread finishes first
             await run_in_threadpool(store.close)
             if index is not None:
                 try:
-                    index.drop_store()
+                    index.drop_store(gone=True)
                 except Exception as exc:  # Redis gone at shutdown: the next start republishes anyway
                     log.warning("could not withdraw this store's block index entries: %s", exc)
 
