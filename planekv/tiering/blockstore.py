@@ -19,16 +19,22 @@ a miss is ``None``, shared state is guarded by one lock. The protocol is Mooncak
   tier's accounting keeps the commit rule instead: a new frame written to it before the commit
   sits beside the victims it will evict, so the files may exceed ``file_bytes`` by the frames of
   such puts in flight (write-through or blocks larger than memory; spills are written after their
-  victims' files are deleted).
+  victims' files are deleted). A put of a key whose previous incarnation's file is still being
+  deleted (evicted from the file tier, or a failed put undone) waits for that delete
+  (``room_wait_s``) rather than refusing.
 - **remove** unpublishes from the listener first, then deletes the file, then the local entry; it
-  returns only when the block is gone everywhere. If the listener is unreachable nothing is
+  returns only when the block is gone everywhere: if a spill of the block is writing its file, it
+  waits for that write to land (or fail) and then deletes the file itself, so no copy is written
+  after the answer; a key not stored whose previous incarnation's file is still being deleted
+  answers False only once that file is gone. If the listener is unreachable nothing is
   deleted (IndexPublishError); if the file cannot be deleted the listener entry is restored and
   the block stays stored and listed (BlockUndeletable). Named failpoints (:mod:`.failpoints`) sit
   between the steps of both protocols.
 - **get** takes a read *lease* under the lock (and opens the file, if the block is on the file
   tier), reads and verifies the checksum without the lock, and releases the lease. Eviction never
   chooses a leased block. ``remove`` unpublishes at once; a read already holding a lease finishes
-  from its own reference (memory) or open file (POSIX).
+  from its own reference (memory) or open file (POSIX). A block being spilled keeps its memory copy
+  (served) until its file is complete, then is served from the file: never a miss while it moves.
 - **eviction** is LRU per tier: the memory tier's victims spill to the file tier when it has room
   (evicting the file tier's own LRU blocks to make it), and are lost only when it cannot.
 - **restart** rebuilds the index from the frames on the file tier (torn temporary files removed);
@@ -47,6 +53,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,6 +120,7 @@ class _Entry:
     leases: int = 0
     removed: bool = False
     removing: bool = False  # a remove() is in flight: a put of the key waits (BlockBusy)
+    spilling: bool = False  # its memory copy is being written to the file tier: a remove() waits for it
     doomed: str | None = None  # the tier whose room an in-flight put will take from this victim
     doomer: _Plan | None = None  # that put (a memory victim's bytes go to it when its copy leaves memory)
 
@@ -228,7 +236,8 @@ class BlockStore:
         self.listener = listener
         self.persist_on_close = persist_on_close
         self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # notified when a put finishes or a lease is released
+        # notified when a put finishes, a lease is released, or file I/O on a key (a spill, a delete) ends
+        self._room = threading.Condition(self._lock)
         self.room_wait_s = room_wait_s
         self._index: dict[BlockKey, _Entry] = {}
         self._pending: set[BlockKey] = set()
@@ -338,8 +347,14 @@ class BlockStore:
                 if key in self._pending:
                     raise BlockBusy(f"another PUT of block {key} is in flight; retry when it has finished")
                 if key in self._file_busy:
-                    raise BlockBusy(f"block {key}'s previous copy is still being written or deleted on the file "
-                                    "tier; retry when it has finished")
+                    # The previous incarnation's file is still being deleted (evicted from the file tier, a
+                    # failed put undone): wait for it, or its late delete could remove this block's file.
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BlockBusy(f"block {key}'s previous copy is still being written or deleted on the "
+                                        f"file tier after {self.room_wait_s:g} s; retry when it has finished")
+                    self._room.wait(left)
+                    continue
                 try:
                     plan = self._plan_room_locked(size, to_memory, write_file)
                     break
@@ -430,13 +445,23 @@ class BlockStore:
 
     def remove(self, key: BlockKey) -> bool:
         """Delete ``key``: True once it is gone from the listener's index, the file tier and memory;
-        False if it was not stored. Reads holding a lease finish undisturbed. Raises BlockBusy while
-        another remove of the key is in flight, IndexPublishError if the listener cannot unpublish
-        it (nothing deleted), BlockUndeletable if its file cannot be deleted (the block is kept,
-        still stored and listed)."""
+        False if it was not stored. Reads holding a lease finish undisturbed. A spill of the block in
+        flight is waited for (its file is then deleted here, before the answer), and so is the delete
+        of a previous incarnation's file before answering False: whatever the answer, no copy of the
+        block is on any tier once it is given. Raises BlockBusy while another remove of the key is in
+        flight (or a spill or delete waited for outlasts ``room_wait_s``: nothing deleted),
+        IndexPublishError if the listener cannot unpublish it (nothing deleted), BlockUndeletable if
+        its file cannot be deleted (the block is kept, still stored and listed)."""
+        deadline = time.monotonic() + self.room_wait_s
         with self._lock:
             e = self._index.get(key)
             if e is None:
+                # Not stored, but an evicted (or undone) incarnation's file may still be being deleted:
+                # answer once it is gone (a restart would otherwise find it). A new incarnation
+                # committed meanwhile ends the wait: the key was not stored when this remove began.
+                if not self._wait_locked(lambda: key not in self._file_busy or key in self._index, deadline):
+                    raise BlockBusy(f"block {key} is not stored but its previous copy's file is still being "
+                                    f"deleted after {self.room_wait_s:g} s; retry")
                 return False
             if e.removing:
                 raise BlockBusy(f"another DELETE of block {key} is in flight; retry when it has finished")
@@ -452,7 +477,15 @@ class BlockStore:
                                             "block is still stored: retry when the index is reachable") from exc
                 unpublished = True
             failpoints.hit("delete.after_index")
-            if self.file is not None and e.on_disk:
+            with self._lock:
+                # A spill (an LRU eviction from memory) may be writing its file right now: wait until the
+                # file is complete (or the write failed), so that the file is deleted here, before the
+                # answer, instead of landing after it. No new spill starts: eviction skips `removing`.
+                if not self._wait_locked(lambda: not e.spilling, deadline):
+                    raise BlockBusy(f"block {key} is being spilled to the file tier and its file was not written "
+                                    f"after {self.room_wait_s:g} s; nothing was deleted, retry")
+                on_disk = e.on_disk
+            if self.file is not None and on_disk:
                 try:
                     self.file.delete(key)
                 except OSError as exc:
@@ -470,7 +503,7 @@ class BlockStore:
                 self._republish(info, e.gen)
             raise
         with self._lock:
-            late_file = self._unpublish_locked(e) and not file_deleted  # a spill finished meanwhile
+            late_file = self._unpublish_locked(e) and not file_deleted  # written meanwhile (close())
             self._counters["deletes"] += 1
             if late_file:
                 self._file_io_begin_locked(key)
@@ -556,7 +589,7 @@ class BlockStore:
         for e in reversed(todo):  # most recently used first
             with self._lock:
                 data = e.data
-                if e.removed or e.on_disk or data is None:
+                if e.removed or e.removing or e.on_disk or data is None:
                     continue
                 if self._file_used + e.size > self.file_capacity:
                     lost += 1
@@ -611,6 +644,16 @@ class BlockStore:
                 self._file_busy[key] = n
             else:
                 del self._file_busy[key]
+                self._room.notify_all()  # a put or remove of the key waiting for this I/O goes on
+
+    def _wait_locked(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """Wait (the lock released meanwhile) until ``ready()``; False if ``deadline`` passes first."""
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._room.wait(left)
+        return True
 
     def _unpublish_locked(self, e: _Entry) -> bool:
         """Remove ``e`` from the index and the tiers' accounting; True if its file must be deleted.
@@ -771,6 +814,7 @@ class BlockStore:
                 self._file_used -= v.size  # its reserved file room is not needed
                 continue
             v.leases += 1  # pinned until written; it stays doomed so no other put picks it
+            v.spilling = True  # a remove() of it now waits for the write (see remove)
             self._file_io_begin_locked(v.key)
             ev.spills.append((v, v.data))
         return ev
@@ -800,14 +844,23 @@ class BlockStore:
         except OSError as exc:
             with self._lock:
                 v.leases -= 1
+                v.spilling = False
+                self._room.notify_all()
                 self._file_used -= v.size
                 self._undoom_locked(v)
                 self._counters["spill_failures"] += 1
             log.error("spilling block %s to the file tier failed (%s); it stays in memory", v.key, exc)
             return
+        except BaseException:  # not an I/O error (a failpoint, an interrupt): a remove() waiting for it goes on
+            with self._lock:
+                v.spilling = False
+                self._room.notify_all()
+            raise
         with self._lock:
             v.leases -= 1
-            if v.removed:  # deleted while spilling: its file must go too
+            v.spilling = False
+            self._room.notify_all()  # a remove() waiting for this spill goes on (and deletes the file)
+            if v.removed:  # discarded (corrupt) while spilling: its file must go too
                 self._file_used -= v.size
                 delete, event = True, None
             else:
