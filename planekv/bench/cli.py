@@ -60,7 +60,7 @@ def _bench_tiering(args: argparse.Namespace) -> int:
     import torch
 
     from ..evaluation.decode_data import load_data
-    from .tiering import TierSetup, format_table, rows_to_json, run_decode, run_timing
+    from .tiering import TierSetup, format_table, parse_deep, rows_to_json, run_decode, run_timing
 
     console = Console(width=max(140, Console().width))
     say = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
@@ -71,6 +71,7 @@ def _bench_tiering(args: argparse.Namespace) -> int:
                          block_bytes=None if args.block_kib is None else int(args.block_kib * 1024),
                          host_bytes=None if args.host_mib is None else int(args.host_mib * 2**20),
                          deadline_ms=args.deadline_ms)
+        deep = [parse_deep(text) for text in args.deep_key_channels or []]
     except ValueError as exc:
         raise SystemExit(f"planekv bench tiering: {exc}") from None
     if not args.timing_only:
@@ -79,7 +80,7 @@ def _bench_tiering(args: argparse.Namespace) -> int:
         say(f"decode steps: {data.source}")
         rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
                            prefetch=not args.no_prefetch, reader=args.reader, progress=say,
-                           key_page_mib=args.key_page_mib, tier=tier)
+                           key_page_mib=args.key_page_mib, tier=tier, deep=deep, deep_rank=args.deep_key_rank)
     for shape in args.timing or []:
         rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
                            promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
@@ -181,7 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _register_tiering(bsub: argparse._SubParsersAction) -> None:
     from .attention import SHAPES
-    from .tiering import HOTS, POLICIES, TIERS
+    from .tiering import DEEP_RANKS, HOTS, POLICIES, TIERS
 
     t = bsub.add_parser("tiering", help="hot planes on the GPU, refinement planes in host memory: caps, prefetch "
                                         "hits, GPU bytes, step time (docs/TIERING.md)")
@@ -216,6 +217,14 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
                                                   "blocks per stream, the rest goes below)")
     t.add_argument("--deadline-ms", type=float, help="the read policy's deadline: remote fetches that miss it are "
                                                      "left out and the reads capped (counted)")
+    t.add_argument("--deep-key-channels", nargs="+", metavar="SHARE:EXTRA",
+                   help="decode steps: after each hot depth h, a row per option with deep Key channels at the same "
+                        "average Key depth: h_K = h - SHARE x EXTRA (a whole number), h_V = h, and SHARE of each KV "
+                        "head's Key channels pinned to h_K + EXTRA planes (e.g. 0.25:4 0.5:2)")
+    t.add_argument("--deep-key-rank", choices=DEEP_RANKS, default="profile",
+                   help="which Key channels are deep: profile (the all-GPU reader's Key depths on the warm-up steps, "
+                        "not counted), sigma (the calibration's Key scale per channel) or oracle (the depths over "
+                        "every step, counted ones included: an upper bound, not available to a real cache)")
     t.add_argument("--timing", nargs="+", choices=sorted(SHAPES), metavar="SHAPE",
                    help="also time these benchmark shapes (CUDA): SDPA, FP8, all-GPU, tiered, whole-chunk offload")
     t.add_argument("--timing-only", action="store_true", help="skip the decode steps")

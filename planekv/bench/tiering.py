@@ -54,6 +54,7 @@ from ..tiering import (
     tiered_decode_step,
 )
 from ..tiering.frame import HEADER_BYTES
+from ..tiering.placement import DeepKeyChannels
 from .attention import SHAPES, Shape, StepData, synthetic_step, time_system
 from .tier_memory import GpuBytes, four_bit_bytes, gpu_bytes, workspace_bytes_per_sequence
 from .timing import sync, time_graphs
@@ -104,8 +105,59 @@ def policy_named(name: str, k_share: float | None = None) -> ReadPolicy:
     return ReadPolicy.flexible(rate, default_k_share(rate) if k_share is None else k_share, **kw)
 
 
-def placement(hot: int, format_id: str) -> PlacementPolicy:
-    return PlacementPolicy(format_id=format_id, hot_planes=HotPlanes(k=hot, v=hot), block_bytes=MiB)
+def placement(hot: int, format_id: str, deep: DeepKeyChannels | None = None) -> PlacementPolicy:
+    """h_K = h_V = ``hot``; with ``deep`` (deep Key channels) h_K = hot - share x extra, so that the Key planes
+    average ``hot`` (the same GPU bytes)."""
+    hot_k = hot if deep is None else deep_hot_k(hot, deep)
+    return PlacementPolicy(format_id=format_id, hot_planes=HotPlanes(k=hot_k, v=hot), block_bytes=MiB,
+                           deep_key_channels=deep)
+
+
+def deep_hot_k(hot: int, deep: DeepKeyChannels) -> int:
+    """h_K that with ``deep`` averages ``hot`` Key planes; ValueError unless share x extra is a whole number of
+    planes at most ``hot``."""
+    pinned = deep.share * deep.extra
+    if abs(pinned - round(pinned)) > 1e-9 or round(pinned) > hot:
+        raise ValueError(f"deep Key channels {deep.share}:{deep.extra} add {pinned:g} planes on average: choose "
+                         f"share x extra a whole number at most h = {hot}")
+    return hot - round(pinned)
+
+
+def parse_deep(text: str) -> DeepKeyChannels:
+    """``SHARE:EXTRA`` (e.g. 0.25:4) -> DeepKeyChannels; ValueError with what is wrong."""
+    share, sep, extra = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError("expected SHARE:EXTRA")
+        return DeepKeyChannels(share=float(share), extra=int(extra))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ValueError(f"deep Key channels {text!r}: {exc}") from None
+
+
+DEEP_RANKS = ("profile", "sigma", "oracle")
+
+
+def key_channel_scores(data: DecodeData, enc: dict, policy: ReadPolicy, warmup: int, rank: str) -> torch.Tensor:
+    """[layers, KV heads, d] scores ranking the Key channels for deep Key channels (higher = read deeper).
+    ``profile``: the all-GPU reader's mean Key depth per channel over the first ``warmup`` decode steps (not
+    counted), like a profile of the prefill's last queries; ``sigma``: the calibration's Key scale per channel (the
+    static factor of the Key importance); ``oracle``: the mean Key depth over every decode step, counted ones
+    included (not available to a real cache: an upper bound for the ranking). Layers without decode data keep
+    ``sigma``."""
+    if rank not in DEEP_RANKS:
+        raise ValueError(f"rank must be one of {DEEP_RANKS}, got {rank!r}")
+    scores = data.codec.calibration.sigma_k.clone()
+    if rank == "sigma":
+        return scores
+    if warmup < 1 and rank == "profile":
+        raise ValueError("a profile ranks the channels on the warm-up steps: use --warmup >= 1")
+    for li in data.layers:
+        kc, vc = enc[li.layer]
+        m = warmup if rank == "profile" else li.q.shape[1]
+        _, st = readkv_rows(li.q[:, :m].contiguous(), kc, vc, data.codec, li.layer, policy, li.lengths[:m],
+                            scale=li.scale)
+        scores[li.layer] = st.k_depths.double().mean(0).float() + 1e-3 * scores[li.layer] / scores[li.layer].max()
+    return scores
 
 
 @dataclass
@@ -130,6 +182,7 @@ class TierRow:
     used_share: float | None = None  # fetched items the next step read past the hot planes
     rel_err: float | None = None  # attention output vs exact attention
     rel_err_all_gpu: float | None = None  # the all-GPU reader's, same policy
+    gpu_mib: float | None = None  # decode steps: hot pages in use + pinned deep Key planes + open pages + promotion
     tier: str | None = None  # decode steps: where the refinement planes lived (host, nvme, remote)
     host_mib: float | None = None  # decode steps, at the end: bytes in host memory, spill files, only at the store
     nvme_mib: float | None = None
@@ -143,11 +196,14 @@ class TierRow:
 def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion_mib: float = 64.0,
                warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
                progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0,
-               tier: TierSetup | None = None) -> list[TierRow]:
+               tier: TierSetup | None = None, deep: list[DeepKeyChannels] | None = None,
+               deep_rank: str = "profile") -> list[TierRow]:
     """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
     before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages). ``key_page_mib``:
     the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache). ``tier``:
-    where the refinement planes live (:class:`TierSetup`; default host memory)."""
+    where the refinement planes live (:class:`TierSetup`; default host memory). ``deep``: after each hot depth's
+    row, one row per deep Key channel option at the same average Key depth (h_K = h - share x extra, h_V = h),
+    the channels ranked by ``deep_rank`` (:func:`key_channel_scores`)."""
     tier = tier or TierSetup()
     codec = data.codec
     n_steps = data.layers[0].q.shape[1]
@@ -163,15 +219,18 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
             if tier.deadline_ms is not None:
                 policy = dataclasses.replace(policy, deadline_ms=tier.deadline_ms)
             all_gpu = _all_gpu_error(data, enc, policy, warmup)
+            scores = key_channel_scores(data, enc, policy, warmup, deep_rank) if deep else None
             for hot in hots:
-                row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
-                                  dataclasses.replace(tier, spill_dir=tier.spill_dir or tmp))
-                row.rel_err_all_gpu = all_gpu
-                rows.append(row)
-                bw = "" if row.fetch_mib_s is None else f", {row.fetch_mib_s:.1f} MiB/s from {tier.tier}"
-                say(f"{row.system} ({tier.tier}): caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, hit "
-                    f"rate {100 * (row.hit_rate or 0):.1f}%, {row.fetched_per_step:.1f} items fetched a step and "
-                    f"layer{bw}, error {row.rel_err:.4f} (all-GPU {all_gpu:.4f})")
+                for option in [None, *(deep or [])]:
+                    row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader,
+                                      key_page_mib, dataclasses.replace(tier, spill_dir=tier.spill_dir or tmp),
+                                      option, scores)
+                    row.rel_err_all_gpu = all_gpu
+                    rows.append(row)
+                    bw = "" if row.fetch_mib_s is None else f", {row.fetch_mib_s:.1f} MiB/s from {tier.tier}"
+                    say(f"{row.system} ({tier.tier}): caps {100 * (row.cap_rate or 0):.2f}% of the bits asked for, "
+                        f"hit rate {100 * (row.hit_rate or 0):.1f}%, {row.fetched_per_step:.1f} items fetched a step "
+                        f"and layer{bw}, error {row.rel_err:.4f} (all-GPU {all_gpu:.4f}), GPU {row.gpu_mib:.3f} MiB")
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -192,7 +251,8 @@ def _all_gpu_error(data: DecodeData, enc: dict, policy: ReadPolicy, warmup: int)
 
 
 def _tiered_for(spec: Any, hot: int, t_last: int, dev: torch.device, promotion_mib: float, key_page_mib: float,
-                tier: TierSetup, n_layers: int) -> tuple[TieredCache, SpillTier | None, RemoteWriter | None]:
+                tier: TierSetup, n_layers: int, deep: DeepKeyChannels | None = None,
+                scores: torch.Tensor | None = None) -> tuple[TieredCache, SpillTier | None, RemoteWriter | None]:
     """The decode steps' cache with its refinement planes in ``tier`` (its spill tier and remote writer, to close);
     ``n_layers``: the layers the steps fill (the default host part holds 2 blocks of each of their streams)."""
     kw: dict[str, Any] = {}
@@ -212,9 +272,10 @@ def _tiered_for(spec: Any, hot: int, t_last: int, dev: torch.device, promotion_m
         writer = RemoteWriter(StoreRemoteTier(tier.store_url or "", tier.store_token, timeout_s=30.0),
                               submit_timeout_s=60.0)
         kw["remote"] = writer
-    cache = TieredCache(spec, 1, placement(hot, spec.format_id), max_tokens=t_last, device=dev,
+    cache = TieredCache(spec, 1, placement(hot, spec.format_id, deep), max_tokens=t_last, device=dev,
                         promotion_bytes=int(promotion_mib * MiB), key_page_bytes=int(key_page_mib * MiB),
-                        sequence_ids=[f"bench-{uuid.uuid4().hex[:12]}"], **kw)
+                        sequence_ids=[f"bench-{uuid.uuid4().hex[:12]}"],
+                        key_channel_scores=scores if deep is not None else None, **kw)
     if block is not None:
         cache.host.block_bytes = block  # below the policy's 1 MiB minimum: blocks seal at this size
     return cache, spill, writer
@@ -222,16 +283,28 @@ def _tiered_for(spec: Any, hot: int, t_last: int, dev: torch.device, promotion_m
 
 def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
                 warmup: int, prefetch: bool, reader: str, key_page_mib: float = 0.0,
-                tier: TierSetup | None = None) -> TierRow:
+                tier: TierSetup | None = None, deep: DeepKeyChannels | None = None,
+                scores: torch.Tensor | None = None) -> TierRow:
     spec = data.codec.spec
     tier = tier or TierSetup()
     lengths = data.layers[0].lengths
     t_last = int(lengths.max())
     dev = torch.device("cuda" if reader == "triton" and torch.cuda.is_available() else "cpu")  # compiled kernels
-    cache, spill, writer = _tiered_for(spec, hot, t_last, dev, promotion_mib, key_page_mib, tier, len(data.layers))
+    cache, spill, writer = _tiered_for(spec, hot, t_last, dev, promotion_mib, key_page_mib, tier, len(data.layers),
+                                       deep, scores)
     try:
-        return _decode_steps(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
-                             tier, cache, writer)
+        row = _decode_steps(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
+                            tier, cache, writer)
+        tb = cache.bytes()
+        hot_used = int((cache.page_table >= 0).sum()) * cache.hot_page_bytes  # hot pages in use, every layer
+        row.gpu_mib = (hot_used + tb.pinned + tb.open + tb.promotion) / MiB
+        row.extra |= {"gpu_bytes": {"hot_in_use": hot_used, "pinned": tb.pinned, "open": tb.open,
+                                    "promotion": tb.promotion}, "hot_k": cache.hot_k[0], "hot_v": cache.hot_v[0]}
+        if deep is not None:
+            row.system = f"tiered-hk{cache.hot_k[0]}+{deep.share:g}x{deep.extra}-hv{hot}-{name}"
+            row.extra["deep_key_channels"] = {"share": deep.share, "extra": deep.extra,
+                                              "channels_per_head": deep.count(spec.head_dim)}
+        return row
     finally:
         cache.free(0)  # the remote copies too
         if writer is not None:
@@ -481,7 +554,8 @@ def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: i
 
 # ---- output ----
 
-COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "x_four_bit",
+COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "gpu_mib",
+           "x_four_bit",
            "promoted_mib", "max_batch", "cap_rate", "hit_rate", "kr_hit_rate", "fetched_per_step",
            "fetched_mib_per_step",
            "used_share", "rel_err", "rel_err_all_gpu", "host_mib", "nvme_mib", "remote_mib", "fetch_mib_s")

@@ -46,7 +46,16 @@ from .frame import (
     verify_frame,
 )
 from .host_tier import HostTier
-from .placement import HotPlanes, LayerOverride, PlacementPolicy, TierSpec, hot_bytes, hot_page_bytes
+from .placement import (
+    DeepKeyChannels,
+    HotPlanes,
+    LayerOverride,
+    PlacementPolicy,
+    TierSpec,
+    hot_bytes,
+    hot_page_bytes,
+    pinned_page_bytes,
+)
 from .prefetch import Prefetcher, PrefetchPlan, StepTally
 from .prefix import (
     PrefixIndex,
@@ -75,7 +84,8 @@ __all__ = [
     "PosixFileTier",
     "PutResult", "RemoteBlockMissing", "RemoteQueueFull", "RemoteTier", "RemoteWriter", "RemoteWriterStats",
     "SpillTier", "StoreFull", "StoreIOError", "StoreStats", "TierSpec", "UnknownFrameVersion",
-    "decode_frame", "decode_header", "encode_frame", "hot_bytes", "hot_page_bytes", "iter_frames", "verify_frame",
+    "DeepKeyChannels", "decode_frame", "decode_header", "encode_frame", "hot_bytes", "hot_page_bytes",
+    "pinned_page_bytes", "iter_frames", "verify_frame",
     "PrefixIndex", "PrefixPage", "PrefixStats", "load_pages", "page_codes", "page_keys", "prefix_root",
     "publish_pages", "remote_block_key", "sealed_pages",
 ]

@@ -44,6 +44,24 @@ class LayerOverride(BaseModel):
         return self
 
 
+class DeepKeyChannels(BaseModel):
+    """Deep Key channels (issue 30): per layer and KV head, the ``share`` of Key channels that read deepest keep
+    planes ``[h_K, h_K + extra)`` of every token on the device, pinned (prefetch and LRU never evict them), so the
+    hot depth varies per Key channel at an average of ``h_K + share x extra`` planes.
+
+    Which channels: those with the highest *scores* the cache is given (``TieredCache(key_channel_scores=...)``,
+    [layers, KV heads, d], higher = read deeper); see ``TieredCache`` for the statistics that can rank them."""
+
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(gt=0.0, le=1.0, allow_inf_nan=False,
+                         description="share of each KV head's Key channels that is deep, in (0, 1]")
+    extra: int = Field(ge=1, le=8, description="planes past h_K pinned for the deep channels")
+
+    def count(self, head_dim: int) -> int:
+        """Deep channels per KV head: ``share x head_dim`` rounded to the nearest, at least 1."""
+        return max(1, min(head_dim, int(self.share * head_dim + 0.5)))
+
+
 class TierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: TierName
@@ -71,12 +89,18 @@ class PlacementPolicy(BaseModel):
     prefetch_depth: int = Field(default=1, ge=0, le=64, description="blocks fetched ahead of the reader")
     fetch_deadline_ms: float = Field(default=5.0, gt=0, le=60_000, allow_inf_nan=False,
                                      description="a cold fetch later than this is read at its hot depth only")
+    deep_key_channels: DeepKeyChannels | None = Field(
+        default=None, description="pinned deeper planes for the Key channels that read deepest (default: none)")
 
     @model_validator(mode="after")
     def _consistent(self) -> PlacementPolicy:
         def check(h: HotPlanes, where: str) -> None:
             if h.k > self.width or h.v > self.width:
                 raise ValueError(f"{where} hot planes (k={h.k}, v={h.v}) exceed the width W={self.width}")
+            deep = self.deep_key_channels
+            if deep is not None and h.k + deep.extra > self.width:
+                raise ValueError(f"{where}: deep Key channels pin planes [{h.k}, {h.k + deep.extra}), past the width "
+                                 f"W={self.width}: lower deep_key_channels.extra to at most {self.width - h.k}")
 
         check(self.hot_planes, "default")
         seen: set[int] = set()
@@ -126,12 +150,23 @@ def hot_page_bytes(policy: PlacementPolicy, spec: FormatSpec) -> int:
     return sum(h.k * d * (p // 8) + h.v * p * (d // 8) for h in (policy.hot(layer) for layer in range(spec.n_layers)))
 
 
+def pinned_page_bytes(policy: PlacementPolicy, spec: FormatSpec) -> int:
+    """Bytes of one page's pinned deep-Key-channel planes (``deep_key_channels``) summed over every layer: per
+    layer, ``count(d)`` channels x ``extra`` planes x P/8; 0 without deep channels. The same number per page as
+    ``TierBytes.pinned`` of a ``TieredCache``."""
+    dk = policy.deep_key_channels
+    if dk is None:
+        return 0
+    return spec.n_layers * dk.count(spec.head_dim) * dk.extra * (spec.page_size // 8)
+
+
 def hot_bytes(policy: PlacementPolicy, spec: FormatSpec, n_tokens: int) -> int:
     """GPU bytes of the hot planes of ``n_tokens`` tokens of one sequence in format ``spec`` under ``policy``:
-    ceil(n_tokens / P) pages per KV head, times ``spec.n_kv_heads``, times :func:`hot_page_bytes`. This is the
-    hot pool a ``TieredCache`` of that one sequence holds once its ``n_tokens`` tokens are appended (its hot
-    pool is a whole number of pages). Raises ValueError if ``n_tokens`` < 0 or the policy does not fit the
-    format."""
+    ceil(n_tokens / P) pages per KV head, times ``spec.n_kv_heads``, times :func:`hot_page_bytes` plus the pinned
+    deep-Key-channel planes (:func:`pinned_page_bytes`). This is the hot pool (and pinned planes) a ``TieredCache``
+    of that one sequence holds once its ``n_tokens`` tokens are appended (its hot pool is a whole number of pages).
+    Raises ValueError if ``n_tokens`` < 0 or the policy does not fit the format."""
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
-    return math.ceil(n_tokens / spec.page_size) * spec.n_kv_heads * hot_page_bytes(policy, spec)
+    per_page = hot_page_bytes(policy, spec) + pinned_page_bytes(policy, spec)
+    return math.ceil(n_tokens / spec.page_size) * spec.n_kv_heads * per_page

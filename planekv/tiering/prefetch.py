@@ -85,13 +85,14 @@ class Prefetcher:
                 raise ValueError(f"{name} must be >= 0 or None, got {v}")
 
     def plan(self, stats: ReadStats, residency: Residency, hot_k: int, hot_v: int, page_size: int,
-             k_slots: int, v_slots: int, kp_slots: int = 0) -> PrefetchPlan:
+             k_slots: int, v_slots: int, kp_slots: int = 0, k_pinned: torch.Tensor | None = None) -> PrefetchPlan:
         """What to promote after a step whose stats carry ``k_wanted`` / ``v_wanted`` (a read under ``residency``)
         and, with Key refinement, ``kr_wanted``. ``k_slots`` / ``v_slots`` / ``kp_slots``: the promotion cache's
-        and the Key page slots' capacity (items) for this layer."""
+        and the Key page slots' capacity (items) for this layer. ``k_pinned`` [B, Hkv, d]: the Key depth each
+        channel has pinned (deep Key channels; None: h_K), whose planes are neither kept nor brought."""
         if "k_wanted" not in stats.extra:
             raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
-        k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots)
+        k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots, k_pinned)
         v_keep, v_fetch = self._values(stats.extra["v_wanted"], residency, hot_v, page_size, v_slots)
         kp_keep: list[tuple[int, int, int]] = []
         kp_fetch: list[tuple[int, int, int]] = []
@@ -100,16 +101,19 @@ class Prefetcher:
                                                 kp_slots)
         return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch, kp_keep, kp_fetch)
 
-    def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int,
-              slots: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
-        """wanted, resident [B, Hkv, d]: channel-planes [hot, wanted) per channel; deepest wants first."""
-        deficit = (wanted - hot).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot ones
+    def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int, slots: int,
+              pinned: torch.Tensor | None = None) -> tuple[list[tuple[int, int, int, int]],
+                                                           list[tuple[int, int, int, int]]]:
+        """wanted, resident [B, Hkv, d]: channel-planes [hot, wanted) per channel (from the pinned depth where one
+        is given, [B, Hkv, d]: those below it are never evicted); deepest wants first."""
+        start = torch.full_like(wanted, hot) if pinned is None else pinned.to(wanted).clamp_min(hot)
+        deficit = (wanted - start).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot (and pinned) ones
         chans = deficit.nonzero().tolist()
         chans.sort(key=lambda x: -int(deficit[x[0], x[1], x[2]]))
         keep, fetch = [], []
         for b, h, c in chans:
             r = int(resident[b, h, c])
-            for j in range(hot, int(wanted[b, h, c])):
+            for j in range(int(start[b, h, c]), int(wanted[b, h, c])):
                 (keep if j < r else fetch).append((b, h, c, j))
         return keep[::-1], fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
 
@@ -161,8 +165,10 @@ class Prefetcher:
         (``time.monotonic()`` seconds): remote pages that do not arrive by then are not promoted (the module
         docstring)."""
         k_slots, v_slots = target.promotion_slots(layer)
+        pinned = getattr(target, "pinned_k_depth", None)  # deep Key channels' pinned planes: never evicted
         plan = self.plan(stats, residency, target.hot_k[layer], target.hot_v[layer],
-                         target.spec.page_size, k_slots, v_slots, target.key_page_slots(layer))  # type: ignore[attr-defined]
+                         target.spec.page_size, k_slots, v_slots, target.key_page_slots(layer),  # type: ignore[attr-defined]
+                         None if pinned is None else pinned(layer))
         host = getattr(target, "host", None)
         timed = deadline is not None and host is not None and getattr(host, "remote", None) is not None
         if timed:

@@ -15,6 +15,9 @@
   channel's refinement planes of one Key page, for Key refinement, whose tokens want every channel at depth W
   (``kp_promo[l]`` [slots, W - h_K, d, P/8], ``kp_slot[l]`` [pages]); slots 0..B*Hkv-1 are the open pages
   (``k_open[l]`` is a view of them).
+- **Deep Key channels** (``PlacementPolicy.deep_key_channels``, off by default): the Key channels ranked deepest keep
+  planes ``[h_K, h_K + extra)`` of every token in pinned channel-plane slots past the LRU's in ``k_promo[l]``
+  (``_pin_deep_key_channels``; bytes in ``TierBytes.pinned``).
 
 ``residency(layer)`` says what can be read now; ``read_k`` / ``read_v`` return code prefixes like
 ``PlaneKVCache``'s and refuse a depth past it (never a wrong value), so ``planekv.kvstore.reference.readkv_decode``
@@ -60,10 +63,11 @@ class TierBytes:
     host: int  # the host tier's blocks
     nvme: int = 0  # blocks the host tier spilled to its spill tier (files)
     remote: int = 0  # blocks held only by the remote tier (dropped from host memory; not local memory)
+    pinned: int = 0  # deep Key channels' pinned channel-planes (PlacementPolicy.deep_key_channels), every layer
 
     @property
     def device(self) -> int:
-        return self.hot + self.open + self.promotion
+        return self.hot + self.open + self.promotion + self.pinned
 
 
 def promotion_slots(spec: FormatSpec, max_tokens: int, hot_k: int, hot_v: int, layer_bytes: int,
@@ -90,12 +94,14 @@ class _Lru:
     """Slots 0..n-1 handed out least recently used first; pinned slots are never taken back."""
 
     def __init__(self, n: int) -> None:
+        self.n = n
         self.free = list(range(n - 1, -1, -1))
         self.order: OrderedDict[int, object] = OrderedDict()  # slot -> owner, oldest first
         self.pinned: set[int] = set()
 
     def touch(self, slot: int) -> None:
-        self.order.move_to_end(slot)
+        if slot in self.order:  # a slot past n (a deep Key channel's pinned plane) is not the LRU's
+            self.order.move_to_end(slot)
 
     def take(self, owner: object) -> tuple[int, object | None]:
         """A slot for ``owner`` and the owner evicted from it (None if the slot was free); (-1, None) if every
@@ -112,6 +118,8 @@ class _Lru:
         return -1, None
 
     def release(self, slot: int) -> None:
+        if slot >= self.n:  # not the LRU's (a pinned plane)
+            return
         self.order.pop(slot, None)
         self.pinned.discard(slot)
         self.free.append(slot)
@@ -124,13 +132,15 @@ class TieredCache:
                  device: torch.device | str = "cpu", hot_bytes: int | None = None, promotion_bytes: int = 64 * MiB,
                  host_bytes: int | None = None, k_promotion_share: float = 0.5,
                  sequence_ids: list[str] | None = None, key_page_bytes: int = 0,
-                 spill: SpillTier | None = None, remote: RemoteWriter | None = None) -> None:
+                 spill: SpillTier | None = None, remote: RemoteWriter | None = None,
+                 key_channel_scores: torch.Tensor | None = None) -> None:
         """``promotion_bytes``: the promotion cache (Key channel-planes and Value pages) over every layer;
         ``key_page_bytes``: sealed Key pages for Key refinement over every layer, beside it (0: a refined token
         of a sealed page reads at its channels' resident depths, a cap); ``spill``: where a full host tier moves
         its least recently read blocks (NVMe files; None: a full host tier refuses pages); ``remote``: the writer
         of a remote tier (the store service) that takes a copy of every sealed block and serves the blocks a full
-        host tier drops (``HostTier``)."""
+        host tier drops (``HostTier``); ``key_channel_scores`` [layers, KV heads, d]: which Key channels are deep
+        when the placement has ``deep_key_channels`` (:meth:`_pin_deep_key_channels`)."""
         if batch_size < 1 or max_tokens < 1:
             raise ValueError(f"batch_size and max_tokens must be >= 1, got {batch_size} and {max_tokens}")
         placement.check_format(spec.n_layers, spec.width)
@@ -209,6 +219,7 @@ class TieredCache:
         self._free = list(range(n0 - 1, -1, -1))
         self.counters = {"k_promoted": 0, "v_promoted": 0, "kp_promoted": 0, "k_evicted": 0, "v_evicted": 0,
                          "kp_evicted": 0, "sealed": 0}
+        self._pin_deep_key_channels(key_channel_scores)
 
     # ---- shapes and bytes ----
 
@@ -216,10 +227,11 @@ class TieredCache:
         def total(ts: list[torch.Tensor]) -> int:
             return sum(t.numel() for t in ts)
 
+        pinned = self.pinned_bytes()
         return TierBytes(hot=total(self.k_hot) + total(self.v_hot), open=total(self.k_open),
                          promotion=total(self.k_promo) + total(self.v_promo) + total(self.kp_promo)
-                         - total(self.k_open), host=self.host.used_bytes, nvme=self.host.spilled_bytes,
-                         remote=self.host.remote_only_bytes)
+                         - total(self.k_open) - pinned, host=self.host.used_bytes, nvme=self.host.spilled_bytes,
+                         remote=self.host.remote_only_bytes, pinned=pinned)
 
     def promoted_bytes(self) -> int:
         """Bytes of the promotion cache in use now: promoted Key channel-planes, sealed Value pages and sealed Key
@@ -229,7 +241,8 @@ class TieredCache:
         for layer in range(self.spec.n_layers):
             k_vec = self.k_promo[layer][0].numel() if self.k_promo[layer].shape[0] else 0
             v_page = self.v_promo[layer][0].numel()
-            total += int((self.k_slot[layer] >= 0).sum()) * k_vec + int((self.v_slot[layer] >= n_open).sum()) * v_page
+            k_on = (self.k_slot[layer] >= 0) & (self.k_slot[layer] < self._k_lru[layer].n)  # pinned ones not counted
+            total += int(k_on.sum()) * k_vec + int((self.v_slot[layer] >= n_open).sum()) * v_page
             total += int((self.kp_slot[layer] >= n_open).sum()) * self.kp_promo[layer][0].numel()
         return total
 
@@ -297,6 +310,7 @@ class TieredCache:
         self.page_table[b] = -1
         self.lengths[:, b] = 0
         self.host.drop_sequence(self.sequence_ids[b])
+        self._pin_sequence(b)  # the deep Key channels' slots stay the sequence's (zeroed above)
 
     # ---- write path ----
 
@@ -417,11 +431,80 @@ class TieredCache:
         self.kp_slot[layer][page] = -1
         self.counters["kp_evicted"] += 1
 
+    # ---- deep Key channels (PlacementPolicy.deep_key_channels) ----
+
+    def _pin_deep_key_channels(self, scores: torch.Tensor | None) -> None:
+        """Per layer and KV head, the ``share`` of Key channels with the highest ``scores`` [layers, KV heads, d]
+        (higher = read deeper) get planes ``[h_K, h_K + extra)`` of every token pinned on the device: channel-plane
+        slots past the promotion cache's LRU slots of ``k_promo[l]`` (``k_slot`` points at them, so the reads and
+        the Triton kernels need nothing new), filled by every append (``_write`` writes each promoted
+        channel-plane of the head) and never evicted. Their bytes are a budget of their own beside the promotion
+        cache's (``TierBytes.pinned``): share x d x extra channel-planes of ``max_tokens`` tokens per (sequence, KV
+        head, layer), what ``share x extra`` more hot planes would take. Which statistic ranks the channels is the
+        caller's: the calibration's Key scale ``sigma_k`` (the static factor of the Key stage's importance
+        ``a_c = sum (q~_c sigma_c)^2``; after the transform it is close to flat, and on SmolLM2 it picks the deep
+        channels barely better than chance) or the reader's Key depths on some queries (e.g. the prefill's last ones;
+        closer on SmolLM2). Neither made the option measure better there (BENCHMARKS.md, "Tiering")."""
+        deep = self.placement.deep_key_channels
+        spec = self.spec
+        n_layers, hk_n, d = spec.n_layers, spec.n_kv_heads, spec.head_dim
+        self.deep_k_channels: list[torch.Tensor] = [torch.zeros(hk_n, 0, dtype=torch.int64) for _ in range(n_layers)]
+        self._k_pinned = [0] * n_layers  # pinned slots per layer, after the LRU's
+        if deep is None:
+            return
+        if scores is None:
+            raise ValueError("the placement has deep_key_channels but no key_channel_scores were given: pass "
+                             "[layers, KV heads, d] scores (higher = read deeper), e.g. the calibration's sigma_k")
+        scores = torch.as_tensor(scores).detach().float().cpu()
+        if tuple(scores.shape) != (n_layers, hk_n, d) or not bool(torch.isfinite(scores).all()):
+            raise ValueError(f"key_channel_scores must be finite [{n_layers}, {hk_n}, {d}] (layers, KV heads, d), got "
+                             f"{tuple(scores.shape)}")
+        n = deep.count(d)
+        for layer in range(n_layers):
+            if self.hot_k[layer] + deep.extra > spec.width:  # the policy checks this too
+                raise ValueError(f"layer {layer}: h_K {self.hot_k[layer]} + {deep.extra} pinned planes exceed W")
+            order = torch.sort(scores[layer], dim=-1, descending=True, stable=True).indices
+            self.deep_k_channels[layer] = order[:, :n].sort(-1).values.contiguous()  # [Hkv, n]
+            self._k_pinned[layer] = self.batch_size * hk_n * n * deep.extra
+            promo = self.k_promo[layer]
+            self.k_promo[layer] = torch.cat([promo, promo.new_zeros((self._k_pinned[layer], *promo.shape[1:]))])
+        self.budgets["key_channel_scores"] = scores
+        for b in range(self.batch_size):
+            self._pin_sequence(b)
+
+    def _pin_sequence(self, b: int) -> None:
+        """Point sequence b's deep Key channel-planes at their pinned slots (its slots: a fixed range per layer)."""
+        deep = self.placement.deep_key_channels
+        if deep is None:
+            return
+        hk_n = self.spec.n_kv_heads
+        for layer in range(self.spec.n_layers):
+            chans = self.deep_k_channels[layer]  # [Hkv, n]
+            n = chans.shape[1]
+            base = self._k_lru[layer].n + b * hk_n * n * deep.extra
+            slots = base + torch.arange(hk_n * n * deep.extra, dtype=torch.int32).view(hk_n, n, deep.extra)
+            self.k_slot[layer][b, torch.arange(hk_n)[:, None], chans, :deep.extra] = slots
+
+    def pinned_k_depth(self, layer: int) -> torch.Tensor:
+        """[B, Hkv, d] int64: the Key depth each channel of ``layer`` has pinned (h_K + extra for a deep channel,
+        else h_K); prefetch neither keeps nor brings the planes below it."""
+        hk = self.hot_k[layer]
+        out = torch.full((self.batch_size, self.spec.n_kv_heads, self.spec.head_dim), hk, dtype=torch.int64)
+        deep = self.placement.deep_key_channels
+        if deep is not None:
+            chans = self.deep_k_channels[layer]
+            out[:, torch.arange(chans.shape[0])[:, None], chans] = hk + deep.extra
+        return out
+
+    def pinned_bytes(self) -> int:
+        """Device bytes of the deep Key channels' pinned channel-planes over every layer (0 without them)."""
+        return sum(n * self.max_slots * self.k_row for n in self._k_pinned)
+
     # ---- promotion ----
 
     def promotion_slots(self, layer: int) -> tuple[int, int]:
         """How many Key channel-planes and sealed Value pages ``layer``'s promotion cache holds."""
-        return self.k_promo[layer].shape[0], self.v_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
+        return self._k_lru[layer].n, self.v_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
 
     def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
         """Bring the refinement planes of sealed pages (sequence b, KV head h, page slot s) back to the device,

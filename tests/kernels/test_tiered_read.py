@@ -239,3 +239,30 @@ def test_everything_promoted_refines_as_the_plane_cache() -> None:
     want, wst = reader.decode(q, flat, 0, plan=reader.plan(2, 256, "cpu", pages_per_program=2, block_tokens=64))
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert torch.equal(st.extra["k_refined"], wst.extra["k_refined"])
+
+
+@pytest.mark.parametrize("policy", [ReadPolicy.flexible(4.0), ReadPolicy.flexible(2.0, k_share=0.75)],
+                         ids=["flexible-r4", "flexible-r2"])
+def test_pinned_deep_key_channels_read_as_the_reference(policy: ReadPolicy) -> None:
+    """Deep Key channels (``PlacementPolicy.deep_key_channels``): h_K = 3, a quarter of each head's channels pinned
+    to depth 7 (ordinary channel-plane slots past the LRU's), a few more channel-planes and Value pages promoted:
+    the kernels read the pinned planes and equal the reference with the same residency."""
+    from planekv.tiering.placement import DeepKeyChannels
+
+    syn = make_synthetic(n_tokens=max(LENGTHS), n_rows=2, n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=32, seed=11)
+    codec = Codec(syn.spec, syn.calibration)
+    kc, vc = codec.encode_k(syn.k[0], 0), codec.encode_v(syn.v[0], 0)
+    placement = PlacementPolicy(hot_planes=HotPlanes(k=3, v=2), block_bytes=1 << 20,
+                                deep_key_channels=DeepKeyChannels(share=0.25, extra=4))
+    tiered = TieredCache(codec.spec, 2, placement, max_tokens=256, promotion_bytes=4 * 3 * 1536,
+                         key_channel_scores=syn.calibration.sigma_k)
+    for b, t in enumerate(LENGTHS):
+        tiered.append(0, kc[:, :t], vc[:, :t], seq=b)
+    deep = tiered.deep_k_channels[0]
+    free = [c for c in range(32) if c not in deep[0].tolist()]
+    tiered.promote_keys(0, [(0, 0, c, 3) for c in free[:4]] + [(1, 1, free[0], 3), (1, 1, free[0], 4)])
+    tiered.promote_values(0, [(0, 1, 1), (1, 0, 0)])
+    assert bool((tiered.residency(0).k_depth[:, torch.arange(2)[:, None], deep] == 7).all())
+    st, _ = _compare(codec, tiered, syn.q[0].transpose(0, 1).contiguous(), policy)
+    read_deep = st.k_depths[:, torch.arange(2)[:, None], deep]
+    assert bool((read_deep > 3).any())  # pinned planes were read
