@@ -1,9 +1,11 @@
 """`planekv bench attention`: the decode-attention benchmark (:mod:`planekv.bench.attention`); `planekv bench
-tiering` and `planekv bench load` (:mod:`planekv.bench.tiering`, :mod:`planekv.bench.load`)."""
+tiering`, `planekv bench load` and `planekv bench prefix` (:mod:`planekv.bench.tiering`, :mod:`planekv.bench.load`,
+:mod:`planekv.bench.prefix`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 
@@ -134,6 +136,46 @@ def _bench_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prefix(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..evaluation.common import setup
+    from ..evaluation.jobs import hardware
+    from .prefix import PrefixConfig, format_table, rows_to_json, run_prefix
+    from .tiering import policy_named
+
+    console = Console(width=max(140, Console().width))
+    err = Console(stderr=True)
+    say = lambda s: err.print(f"[dim]{s}[/dim]")  # noqa: E731
+    try:
+        cfg = PrefixConfig(prefix_tokens=args.tokens, suffix_tokens=args.suffix, reps=args.reps,
+                           max_compressed_tokens=args.max_compressed_tokens, tiered_hot=args.tiered_hot,
+                           reader=args.reader, index_from=args.index_from, text=args.text)
+        policy = policy_named(args.policy)
+    except ValueError as exc:
+        raise SystemExit(f"planekv bench prefix: {exc}") from None
+    say(f"loading {args.model} ({'calibration ' + args.calibration if args.calibration else 'calibrating'})")
+    s = setup(args.model, args.calibration, device=args.device, calib_tokens=args.calib_tokens,
+              calib_window=min(args.calib_tokens, 8192))
+    if cfg.reader == "auto":
+        cfg = dataclasses.replace(cfg, reader="triton" if s.device.type == "cuda" else "reference")
+    say(f"{s.lm.model_id} on {s.device}, format {s.codec.spec.format_id}, page {s.codec.spec.page_size} tokens, "
+        f"reader {cfg.reader}")
+    rows = run_prefix(s.lm.model, s.lm.tokenizer, s.codec, policy, cfg, progress=say)
+    console.print(format_table(rows))
+    if args.json:
+        dev = torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu"
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": dev,
+                "hardware": hardware(), "torch": torch.__version__, "host": platform.node(),
+                "model": s.lm.model_id, "format_id": s.codec.spec.format_id, "page_size": s.codec.spec.page_size,
+                "calibration_id": s.calibration.calibration_id, "config": dataclasses.asdict(cfg),
+                "policy": policy.to_dict(), "args": vars(args) | {"func": None}}
+        rows_to_json(rows, args.json, meta)
+        console.print(f"wrote {args.json}")
+    reuse = rows[-1]
+    return 1 if reuse.same_as_compressed is False else 0
+
+
 def _at_least_one(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -178,6 +220,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_bench_attention)
     _register_tiering(bsub)
     _register_load(bsub)
+    _register_prefix(bsub)
 
 
 def _register_tiering(bsub: argparse._SubParsersAction) -> None:
@@ -262,3 +305,31 @@ def _register_load(bsub: argparse._SubParsersAction) -> None:
                    help="a targeted process whose peak RSS to report (repeatable)")
     t.add_argument("--json", help="write the result and metadata here")
     t.set_defaults(func=_bench_load)
+
+
+def _register_prefix(bsub: argparse._SubParsersAction) -> None:
+    from .prefix import DEFAULT_TEXT, INDEX_FROM
+    from .tiering import POLICIES
+
+    t = bsub.add_parser("prefix", help="prefix reuse: time to first token of a prompt whose prefix's pages are in a "
+                                       "prefix index, against fresh dense and compressed prefills (issue 33)")
+    t.add_argument("--model", default="smollm2", help="smollm2, a local HF directory or a .gguf")
+    t.add_argument("--calibration", help="a calibration .pt (default: computed on the calibration text)")
+    t.add_argument("--calib-tokens", type=_at_least_one, default=2048, help="tokens calibrated on, if computed")
+    t.add_argument("--tokens", type=_at_least_one, default=1024, help="prefix tokens (shared)")
+    t.add_argument("--suffix", type=_at_least_one, default=16, help="new tokens after the shared prefix")
+    t.add_argument("--text", default=DEFAULT_TEXT, help="the prompt's text: a shipped text's name or a file")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--reps", type=_at_least_one, default=3, help="timed repetitions (median), after one warm-up")
+    t.add_argument("--max-compressed-tokens", type=int, default=2048,
+                   help="skip the fresh compressed prefill (token by token) above this many prompt tokens")
+    t.add_argument("--tiered-hot", type=int, choices=range(0, 9), metavar="H",
+                   help="every cache tiered, H hot planes (default: untiered)")
+    t.add_argument("--reader", choices=("auto", "reference", "triton"), default="auto",
+                   help="the compressed reads (auto: triton on CUDA, else reference)")
+    t.add_argument("--policy", choices=POLICIES, default="flex-r4", help="the read policy")
+    t.add_argument("--index-from", choices=INDEX_FROM, default="auto",
+                   help="build the index by a compressed prefill of the prefix, or from a dense prefill's codes "
+                        "(a stand-in of the same size: TTFT only); auto: compressed where it runs")
+    t.add_argument("--json", help="write rows and metadata here")
+    t.set_defaults(func=_bench_prefix)
