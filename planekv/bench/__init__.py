@@ -19,10 +19,10 @@ from .attention import (
     format_timeline,
     parse_settings,
     policy_of,
-    rows_to_json,
     run_bench,
     synthetic_step,
 )
+from .output import rows_to_json
 from .timing import time_graphs, timeline, timeline_or_error
 from .traffic import readkv_physical, sector_bytes_k, sector_bytes_v
 

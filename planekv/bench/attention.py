@@ -11,7 +11,6 @@ reader is first compared with the reference reader at full size (same depths, ou
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -304,11 +303,6 @@ def check_against_reference(reader: TritonReader, plan: Plan, s: StepData, codec
         res["refined_mismatch"] = rmis
         res["refined_fraction"] = float(refined.sum()) / float(s.lengths.sum() * plan.rcnt.shape[1])
     return res
-
-
-def rows_to_json(rows: list[Row], path: str, meta: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
 
 
 def _plain_check(row: Row) -> dict[str, Any]:

@@ -22,9 +22,9 @@ def _bench_attention(args: argparse.Namespace) -> int:
         format_table,
         format_timeline,
         parse_settings,
-        rows_to_json,
         run_bench,
     )
+    from .output import rows_to_json
 
     settings: dict = parse_settings(args.config or "")
     for flag, field in (("num_warps", "num_warps"), ("assembly", "assembly"), ("value_alloc", "value_alloc"),
@@ -62,7 +62,8 @@ def _bench_tiering(args: argparse.Namespace) -> int:
     import torch
 
     from ..evaluation.decode_data import load_data
-    from .tiering import TierSetup, format_table, parse_deep, rows_to_json, run_decode, run_timing
+    from .output import rows_to_json
+    from .tiering import TierSetup, format_table, parse_deep, run_decode, run_timing
 
     console = Console(width=max(140, Console().width))
     say = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
@@ -141,7 +142,8 @@ def _bench_prefix(args: argparse.Namespace) -> int:
 
     from ..evaluation.common import setup
     from ..evaluation.jobs import hardware
-    from .prefix import PrefixConfig, format_table, rows_to_json, run_prefix
+    from .output import rows_to_json
+    from .prefix import PrefixConfig, format_table, run_prefix
     from .tiering import policy_named
 
     console = Console(width=max(140, Console().width))

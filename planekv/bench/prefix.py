@@ -29,8 +29,6 @@ dense prefill reads the prompt exactly, the others compressed) is reported, and 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +43,7 @@ from ..kvstore.reference import ReadKV
 from ..models import hf
 from ..tiering import PrefixIndex
 from ..tiering.prefix import publish_pages
+from .output import column_table
 
 MODES = ("fresh-dense", "fresh-compressed", "reuse")
 INDEX_FROM = ("auto", "compressed", "dense-codes")
@@ -282,21 +281,11 @@ def _rows(cfg: PrefixConfig, times: dict[str, list[float]], load: list[float],
 
 
 def format_table(rows: list[PrefixRow]) -> str:
-    cols = [c for c in COLUMNS if any(getattr(r, c) is not None for r in rows)]
-    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-
     def cell(v: Any, col: str) -> str:
-        if v is None:
-            return ""
         if col == "logit_diff":
             return f"{v:.2g}"
         if col in ("x_dense", "x_compressed"):
             return f"{v:.3f}"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    return head + "\n".join("| " + " | ".join(cell(getattr(r, c), c) for c in cols) + " |" for r in rows)
-
-
-def rows_to_json(rows: list[PrefixRow], path: str, meta: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
+    return column_table(rows, COLUMNS, cell)

@@ -24,7 +24,6 @@ Both report GPU-resident bytes (:mod:`.tier_memory`) and the largest batch a GPU
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import shutil
@@ -56,6 +55,7 @@ from ..tiering import (
 from ..tiering.frame import HEADER_BYTES
 from ..tiering.placement import DeepKeyChannels
 from .attention import SHAPES, Shape, StepData, synthetic_step, time_system
+from .output import column_table
 from .tier_memory import GpuBytes, four_bit_bytes, gpu_bytes, workspace_bytes_per_sequence
 from .timing import sync, time_graphs
 
@@ -562,19 +562,9 @@ COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu
 
 
 def format_table(rows: list[TierRow]) -> str:
-    cols = [c for c in COLUMNS if any(getattr(r, c) is not None for r in rows)]
-    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-
     def cell(v: Any, col: str) -> str:
-        if v is None:
-            return ""
         if col in ("cap_rate", "hit_rate", "kr_hit_rate", "used_share"):
             return f"{100 * v:.2f}%"
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-    return head + "\n".join("| " + " | ".join(cell(getattr(r, c), c) for c in cols) + " |" for r in rows)
-
-
-def rows_to_json(rows: list[TierRow], path: str, meta: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
+    return column_table(rows, COLUMNS, cell)

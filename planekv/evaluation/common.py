@@ -3,6 +3,7 @@ model/calibration setup (devices, progress and the job entry point are in ``jobs
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -114,6 +115,15 @@ def check_hot_planes(hots: Iterable[int], width: int = 8) -> None:
     if bad:
         raise ValueError(f"--tiered-hot takes hot planes h in [0, {width}] (W = {width} planes stored; h = {width}: "
                          f"every plane on the device), got {bad}")
+
+
+def add_tier_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """``--promotion-mib`` and ``--key-page-mib``: the tiered cache's budgets, as every job that reads tiered rows
+    takes them (checked by :func:`check_tier_budgets`)."""
+    p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
+    p.add_argument("--key-page-mib", type=float, default=0.0,
+                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
+                        "read at their channels' resident depths)")
 
 
 def check_tier_budgets(promotion_mib: float, key_page_mib: float) -> None:

@@ -34,6 +34,7 @@ from .common import (
     VARIANTS,
     Setup,
     SystemRow,
+    add_tier_budget_arguments,
     build_system,
     check_hot_planes,
     check_tier_budgets,
@@ -291,10 +292,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--template", default="chat", choices=["chat", "raw"], help="prompt as a chat turn or raw text")
     p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
                    help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md)")
-    p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
-    p.add_argument("--key-page-mib", type=float, default=0.0,
-                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
-                        "read at their channels' resident depths)")
+    add_tier_budget_arguments(p)
     add_resume_argument(p)
     add_executor_arguments(p)
 

@@ -19,7 +19,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .common import ALL_SYSTEMS, RATES, VARIANTS, Setup, check_hot_planes, check_tier_budgets, setup, system_rows
+from .common import (
+    ALL_SYSTEMS,
+    RATES,
+    VARIANTS,
+    Setup,
+    add_tier_budget_arguments,
+    check_hot_planes,
+    check_tier_budgets,
+    setup,
+    system_rows,
+)
 from .executors import EXECUTOR_ARGUMENTS, add_executor_arguments, check_executor_arguments, open_executor
 from .jobs import hardware, job_main, write_json
 from .passkey import parse_plan, run_passkey
@@ -60,10 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiered-hot", nargs="*", type=int, default=[], metavar="H",
                    help="also read every ReadKV row from a tiered cache with H hot planes (docs/TIERING.md): "
                         "perplexity as decode steps beside the same decode steps all-GPU, passkey decode")
-    p.add_argument("--promotion-mib", type=float, default=64.0, help="the tiered cache's promotion cache, MiB")
-    p.add_argument("--key-page-mib", type=float, default=0.0,
-                   help="the tiered cache's Key page slots for Key refinement, MiB (0: refined tokens of sealed pages "
-                        "read at their channels' resident depths)")
+    add_tier_budget_arguments(p)
     p.add_argument("--skip", nargs="*", default=[], choices=["perplexity", "passkey"], help="jobs to leave out")
     p.add_argument("--resume", action="store_true",
                    help="keep what an earlier run of the same settings left in --out (split search, perplexity, "
