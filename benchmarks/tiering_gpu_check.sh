@@ -11,7 +11,9 @@
 #           without Key refinement, the whole-chunk offload baseline; ~400 s each on an H200, compile included)
 # smollm2 : the same in SmolLM2's geometry, R = 4 and 2 (~150 s)
 # decode  : synthetic decode steps through the Triton tiered read: caps, hits, error (tiering-decode.json)
-# Budgets: promotion cache and Key page slots 64 MiB per layer each (BENCHMARKS.md, "Tiering").
+# Budgets (per layer; env PROMOTION_MIB, KEY_PAGE_MIB, HOTS): promotion cache 32 MiB (a GPU-bytes total of 1.04x a
+# 4-bit cache at B = 32 T = 32K, the issue's target <= 1.05x), Key page slots 64 MiB (given to the Key refinement
+# policies only), hot depths 4 and 2; prefetch brings one Key plane past each channel's wanted depth (--k-margin 1).
 set -uo pipefail
 out=${1:?usage: tiering_gpu_check.sh OUT_DIR [check r2 r4 smollm2 decode]}
 shift
@@ -26,17 +28,19 @@ run() {  # run NAME CMD...: the command under `timeout`, its output in NAME.log;
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   echo "== $name: exit $?"; tail -25 "$out/$name.log"
 }
-timing=(python -m planekv.cli bench tiering --timing-only --promotion-mib 64 --key-page-mib 64 --reps 10 --hots 4 2)
+read -r -a hots <<<"${HOTS:-4 2}"
+timing=(python -m planekv.cli bench tiering --timing-only --promotion-mib "${PROMOTION_MIB:-32}"
+        --key-page-mib "${KEY_PAGE_MIB:-64}" --reps 10 --hots "${hots[@]}")
 for stage in "${stages[@]}"; do
   case $stage in
-    check) run gpu-tiered env PYTHONPATH="$PWD" python -m pytest -q -m gpu tests/gpu -k tiered -p no:cacheprovider ;;
-    r2) run timing-r2 env PYTHONPATH="$PWD" "${timing[@]}" --timing b32-t32k --policies flex-r2 flex-kr-r2 \
+    check) run gpu-tiered env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q -m gpu tests/gpu -k tiered -p no:cacheprovider ;;
+    r2) run timing-r2 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${timing[@]}" --timing b32-t32k --policies flex-r2 flex-kr-r2 \
           --json "$out/tiering-timing-r2.json" ;;
-    r4) run timing-r4 env PYTHONPATH="$PWD" "${timing[@]}" --timing b32-t32k --policies flex-r4 flex-kr-r4 \
+    r4) run timing-r4 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${timing[@]}" --timing b32-t32k --policies flex-r4 flex-kr-r4 \
           --json "$out/tiering-timing-r4.json" ;;
-    smollm2) run timing-smollm2 env PYTHONPATH="$PWD" "${timing[@]}" --timing smollm2-b32-t8k \
+    smollm2) run timing-smollm2 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${timing[@]}" --timing smollm2-b32-t8k \
                --policies flex-r4 flex-r2 --json "$out/tiering-timing-smollm2.json" ;;
-    decode) run decode env PYTHONPATH="$PWD" python -m planekv.cli bench tiering --source synthetic --tokens 8192 \
+    decode) run decode env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -m planekv.cli bench tiering --source synthetic --tokens 8192 \
               --steps 8 --layers 2 --policies flex-r4 flex-r2 flex-kr-r4 flex-kr-r2 --hots 4 2 --key-page-mib 16 \
               --reader triton --json "$out/tiering-decode.json" ;;
     *) echo "unknown stage $stage (check r2 r4 smollm2 decode)"; exit 2 ;;

@@ -83,11 +83,12 @@ def _bench_tiering(args: argparse.Namespace) -> int:
         say(f"decode steps: {data.source}")
         rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
                            prefetch=not args.no_prefetch, reader=args.reader, progress=say,
-                           key_page_mib=args.key_page_mib, tier=tier, deep=deep, deep_rank=args.deep_key_rank)
+                           key_page_mib=args.key_page_mib, tier=tier, deep=deep, deep_rank=args.deep_key_rank,
+                           k_margin=args.k_margin)
     for shape in args.timing or []:
         rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
                            promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
-                           progress=say, key_page_mib=args.key_page_mib)
+                           progress=say, key_page_mib=args.key_page_mib, k_margin=args.k_margin)
     console.print(format_table(rows))
     if args.json:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -185,6 +186,13 @@ def _at_least_one(text: str) -> int:
     return n
 
 
+def _at_least_zero(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from ..kernels.config import ASSEMBLIES, VALUE_ALLOCS
     from ..kvstore import CODEBOOKS
@@ -246,6 +254,9 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
                    help="Key page slots for Key refinement, MiB (per model; per layer in --timing; beside the "
                         "promotion cache; 0: refined tokens of sealed pages read at their channels' resident depth)")
     t.add_argument("--no-prefetch", action="store_true", help="no prefetch (only the pages kept at sealing)")
+    t.add_argument("--k-margin", type=_at_least_zero, default=1, metavar="N",
+                   help="prefetch N Key planes past each channel's wanted depth, after the wanted ones (default 1; "
+                        "0: only what the step asked for)")
     t.add_argument("--reader", choices=("reference", "triton"), default="reference",
                    help="the tiered read of the decode steps (Key refinement always runs the reference)")
     t.add_argument("--tier", choices=TIERS, default="host",

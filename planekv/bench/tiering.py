@@ -197,14 +197,17 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
                warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
                progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0,
                tier: TierSetup | None = None, deep: list[DeepKeyChannels] | None = None,
-               deep_rank: str = "profile") -> list[TierRow]:
+               deep_rank: str = "profile", k_margin: int = Prefetcher.k_margin) -> list[TierRow]:
     """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
     before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages). ``key_page_mib``:
     the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache). ``tier``:
     where the refinement planes live (:class:`TierSetup`; default host memory). ``deep``: after each hot depth's
     row, one row per deep Key channel option at the same average Key depth (h_K = h - share x extra, h_V = h),
-    the channels ranked by ``deep_rank`` (:func:`key_channel_scores`)."""
+    the channels ranked by ``deep_rank`` (:func:`key_channel_scores`). ``k_margin``: the prefetcher's Key planes
+    past each channel's wanted depth (:class:`~planekv.tiering.prefetch.Prefetcher`)."""
     tier = tier or TierSetup()
+    if k_margin < 0:
+        raise ValueError(f"k_margin must be >= 0, got {k_margin}")
     codec = data.codec
     n_steps = data.layers[0].q.shape[1]
     if not 0 <= warmup < n_steps:
@@ -222,7 +225,8 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
             scores = key_channel_scores(data, enc, policy, warmup, deep_rank) if deep else None
             for hot in hots:
                 for option in [None, *(deep or [])]:
-                    row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader,
+                    pf = Prefetcher(k_margin=k_margin) if prefetch else None
+                    row = _decode_one(data, enc, name, policy, hot, promotion_mib, warmup, pf, reader,
                                       key_page_mib, dataclasses.replace(tier, spill_dir=tier.spill_dir or tmp),
                                       option, scores)
                     row.rel_err_all_gpu = all_gpu
@@ -282,7 +286,7 @@ def _tiered_for(spec: Any, hot: int, t_last: int, dev: torch.device, promotion_m
 
 
 def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
-                warmup: int, prefetch: bool, reader: str, key_page_mib: float = 0.0,
+                warmup: int, pf: Prefetcher | None, reader: str, key_page_mib: float = 0.0,
                 tier: TierSetup | None = None, deep: DeepKeyChannels | None = None,
                 scores: torch.Tensor | None = None) -> TierRow:
     spec = data.codec.spec
@@ -293,7 +297,7 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
     cache, spill, writer = _tiered_for(spec, hot, t_last, dev, promotion_mib, key_page_mib, tier, len(data.layers),
                                        deep, scores)
     try:
-        row = _decode_steps(data, enc, name, policy, hot, promotion_mib, warmup, prefetch, reader, key_page_mib,
+        row = _decode_steps(data, enc, name, policy, hot, promotion_mib, warmup, pf, reader, key_page_mib,
                             tier, cache, writer)
         tb = cache.bytes()
         hot_used = int((cache.page_table >= 0).sum()) * cache.hot_page_bytes  # hot pages in use, every layer
@@ -316,7 +320,7 @@ def _decode_one(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot:
 
 
 def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, hot: int, promotion_mib: float,
-                  warmup: int, prefetch: bool, reader: str, key_page_mib: float, tier: TierSetup,
+                  warmup: int, pf: Prefetcher | None, reader: str, key_page_mib: float, tier: TierSetup,
                   cache: TieredCache, writer: RemoteWriter | None) -> TierRow:
     codec, spec = data.codec, data.codec.spec
     t_last = int(data.layers[0].lengths.max())
@@ -340,7 +344,6 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
     if writer is not None:
         writer.flush(120.0)
     tally = StepTally()
-    pf = Prefetcher() if prefetch else None
     num = den = 0.0
     host = cache.host
     step_s, base_bytes, base_s = 0.0, dict(host.read_bytes), dict(host.read_s)
@@ -386,7 +389,8 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
         used_share=sm["fetched_used"] / sm["fetched"] if sm["fetched"] else None,
         rel_err=math.sqrt(num / den) if den else None, host_gib=cache.bytes().host / GiB,
         promoted_mib=cache.promoted_bytes() / MiB,
-        extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": prefetch,
+        extra={"steps_counted": sm["steps"], "warmup": warmup, "prefetch": pf is not None,
+               "k_margin": None if pf is None else pf.k_margin,
                "promotion_mib": promotion_mib, "key_page_mib": key_page_mib, "tally": sm, "tier": tier.tier,
                "step_ms_note": "wall time of one decode step of one layer (read + prefetch) on this device",
                "read_ms": 1e3 * read_s / layers_steps, "fetched_bytes": got, "fetch_s": took,
@@ -411,10 +415,11 @@ def _reader_for(codec: Any, policy: ReadPolicy, reader: str) -> tuple[Any, str]:
 def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: int = 30, warm: int = 4,
                promotion_mib: float = 256.0, layers: int = 32, budget_gib: float = 40.0, seed: int = 0,
                k_share: float | None = None, progress: Callable[[str], None] | None = None,
-               key_page_mib: float = 0.0) -> list[TierRow]:
+               key_page_mib: float = 0.0, k_margin: int = Prefetcher.k_margin) -> list[TierRow]:
     """SDPA, FP8, the all-GPU reader (default stages and FMA stages) and the tiered read at each hot depth, timed in
     one run on ``shape``; GPU bytes for a model of ``layers`` such layers and the largest batch ``budget_gib``
-    holds. ``key_page_mib``: the tiered cache's Key page slots (per layer, as ``promotion_mib``)."""
+    holds. ``key_page_mib``: the tiered cache's Key page slots (per layer, as ``promotion_mib``), given to the
+    policies with Key refinement only (the others never read them). ``k_margin``: the prefetcher's."""
     if not torch.cuda.is_available() and not interpreting():
         raise RuntimeError("step times need a CUDA device (or TRITON_INTERPRET=1 for a plumbing run on CPU)")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -445,6 +450,7 @@ def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: i
     for pname in policies:
         policy = policy_named(pname, k_share)
         ws = workspace_bytes_per_sequence(codec, policy, t)
+        kp_mib = key_page_mib if policy.key_refine else 0.0
         all_ms = {}
         for label, cfg in (("", ReaderConfig()), ("-fma", FMA)):
             system = f"readkv-{pname}{label}"
@@ -454,8 +460,9 @@ def run_timing(shape: str | Shape, policies: list[str], hots: list[int], reps: i
                                                                              workspace_per_sequence=ws))
         for hot in hots:
             mem = gpu_bytes("tiered", model, t, (hot, hot), int(promotion_mib * MiB * layers),
-                            workspace_per_sequence=ws, key_page_bytes=int(key_page_mib * MiB * layers))
-            row = _time_tiered(shp.name, s, codec, policy, hot, pname, promotion_mib, warm, reps, seed, key_page_mib)
+                            workspace_per_sequence=ws, key_page_bytes=int(kp_mib * MiB * layers))
+            row = _time_tiered(shp.name, s, codec, policy, hot, pname, promotion_mib, warm, reps, seed, kp_mib,
+                               k_margin)
             row.x_sdpa, row.x_all_gpu = row.step_ms / sdpa_ms, row.step_ms / all_ms["-fma"]
             add(row, mem)
             off = _time_offload(s, codec, policy, hot, reps)
@@ -491,13 +498,14 @@ def _tiered_from(s: StepData, codec: Any, hot: int, promotion_mib: float, key_pa
 
 
 def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: int, pname: str,
-                 promotion_mib: float, warm: int, reps: int, seed: int, key_page_mib: float = 0.0) -> TierRow:
+                 promotion_mib: float, warm: int, reps: int, seed: int, key_page_mib: float = 0.0,
+                 k_margin: int = Prefetcher.k_margin) -> TierRow:
     cache = _tiered_from(s, codec, hot, promotion_mib, key_page_mib)
     reader = TritonReader(codec, policy, config=FMA)
     b, t = s.q.shape[0], int(s.lengths.max())
     plan = reader.plan(b, t, s.q.device)
     gen = torch.Generator(device=s.q.device).manual_seed(seed + 17)
-    pf, tally = Prefetcher(), StepTally()
+    pf, tally = Prefetcher(k_margin=k_margin), StepTally()
     for i in range(warm + 1):  # drifting queries fill the promotion cache; the last step is the one counted
         if i == warm:
             tally.restart()
@@ -517,7 +525,7 @@ def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: 
                    hit_rate=sm["hit_rate"], fetched_per_step=float(sm["fetched"]),
                    fetched_mib_per_step=fetched / MiB, fetch_ms=_time_h2d(int(fetched), s.q.device, reps),
                    host_gib=cache.bytes().host / GiB, promoted_mib=cache.promoted_bytes() / MiB,
-                   extra={"warm_steps": warm, "tally": sm})
+                   extra={"warm_steps": warm, "tally": sm, "k_margin": k_margin, "key_page_mib": key_page_mib})
 
 
 def _time_h2d(nbytes: int, dev: torch.device, reps: int) -> float | None:

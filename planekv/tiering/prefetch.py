@@ -72,27 +72,36 @@ class PrefetchPlan:
 @dataclass(frozen=True)
 class Prefetcher:
     """Per layer and step, at most ``k_planes_per_step`` Key channel-planes, ``v_pages_per_step`` Value pages and
-    ``k_pages_per_step`` Key pages are brought (None: as many as the promotion cache / Key page slots hold)."""
+    ``k_pages_per_step`` Key pages are brought (None: as many as the promotion cache / Key page slots hold).
+
+    ``k_margin``: Key planes asked for past each channel's wanted depth (up to W), after every plane actually
+    wanted: a channel's depth drifts by a plane or two from one step to the next, and one channel read a plane short
+    moves that channel's logit for every token (EVALUATION.md, "Through the tiered reader")."""
 
     k_planes_per_step: int | None = None
     v_pages_per_step: int | None = None
     k_pages_per_step: int | None = None
+    k_margin: int = 1
 
     def __post_init__(self) -> None:
         for name in ("k_planes_per_step", "v_pages_per_step", "k_pages_per_step"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {v}")
+        if self.k_margin < 0:
+            raise ValueError(f"k_margin must be >= 0, got {self.k_margin}")
 
     def plan(self, stats: ReadStats, residency: Residency, hot_k: int, hot_v: int, page_size: int,
-             k_slots: int, v_slots: int, kp_slots: int = 0, k_pinned: torch.Tensor | None = None) -> PrefetchPlan:
+             k_slots: int, v_slots: int, kp_slots: int = 0, k_pinned: torch.Tensor | None = None,
+             width: int = 8) -> PrefetchPlan:
         """What to promote after a step whose stats carry ``k_wanted`` / ``v_wanted`` (a read under ``residency``)
         and, with Key refinement, ``kr_wanted``. ``k_slots`` / ``v_slots`` / ``kp_slots``: the promotion cache's
         and the Key page slots' capacity (items) for this layer. ``k_pinned`` [B, Hkv, d]: the Key depth each
-        channel has pinned (deep Key channels; None: h_K), whose planes are neither kept nor brought."""
+        channel has pinned (deep Key channels; None: h_K), whose planes are neither kept nor brought. ``width``:
+        the format's planes W (``k_margin`` asks for none past it)."""
         if "k_wanted" not in stats.extra:
             raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
-        k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots, k_pinned)
+        k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots, k_pinned, width)
         v_keep, v_fetch = self._values(stats.extra["v_wanted"], residency, hot_v, page_size, v_slots)
         kp_keep: list[tuple[int, int, int]] = []
         kp_fetch: list[tuple[int, int, int]] = []
@@ -102,20 +111,35 @@ class Prefetcher:
         return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch, kp_keep, kp_fetch)
 
     def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int, slots: int,
-              pinned: torch.Tensor | None = None) -> tuple[list[tuple[int, int, int, int]],
-                                                           list[tuple[int, int, int, int]]]:
+              pinned: torch.Tensor | None = None, width: int = 8) -> tuple[list[tuple[int, int, int, int]],
+                                                                          list[tuple[int, int, int, int]]]:
         """wanted, resident [B, Hkv, d]: channel-planes [hot, wanted) per channel (from the pinned depth where one
-        is given, [B, Hkv, d]: those below it are never evicted); deepest wants first."""
+        is given, [B, Hkv, d]: those below it are never evicted), deepest wants first; then the margin planes
+        [wanted, wanted + k_margin) of every channel that reaches past the hot ones, deepest channels first. Kept
+        items are ordered least wanted first (margin planes before wanted ones) so that the most wanted are the most
+        recently used; margin planes are brought only into room the wanted ones leave."""
         start = torch.full_like(wanted, hot) if pinned is None else pinned.to(wanted).clamp_min(hot)
+        reach = (wanted + self.k_margin).clamp_max(width)  # [B, Hkv, d] the depth asked for, margin included
         deficit = (wanted - start).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot (and pinned) ones
+        margin = (reach - torch.maximum(wanted, start)).clamp_min(0)  # [B, Hkv, d] margin planes past those
+        keep, fetch, m_keep, m_fetch = [], [], [], []
         chans = deficit.nonzero().tolist()
         chans.sort(key=lambda x: -int(deficit[x[0], x[1], x[2]]))
-        keep, fetch = [], []
         for b, h, c in chans:
             r = int(resident[b, h, c])
             for j in range(int(start[b, h, c]), int(wanted[b, h, c])):
                 (keep if j < r else fetch).append((b, h, c, j))
-        return keep[::-1], fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
+        m_chans = margin.nonzero().tolist()
+        m_chans.sort(key=lambda x: -int(wanted[x[0], x[1], x[2]]))
+        for b, h, c in m_chans:
+            r = int(resident[b, h, c])
+            lo = max(int(wanted[b, h, c]), int(start[b, h, c]))
+            for j in range(lo, int(reach[b, h, c])):
+                (m_keep if j < r else m_fetch).append((b, h, c, j))
+        fetch = fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
+        limit = None if self.k_planes_per_step is None else self.k_planes_per_step - len(fetch)
+        m_fetch = m_fetch[: self._room(len(keep) + len(fetch) + len(m_keep), slots, limit)]
+        return m_keep[::-1] + keep[::-1], fetch + m_fetch
 
     def _values(self, wanted: list[torch.Tensor], residency: Residency, hot: int, page_size: int,
                 slots: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
@@ -168,7 +192,7 @@ class Prefetcher:
         pinned = getattr(target, "pinned_k_depth", None)  # deep Key channels' pinned planes: never evicted
         plan = self.plan(stats, residency, target.hot_k[layer], target.hot_v[layer],
                          target.spec.page_size, k_slots, v_slots, target.key_page_slots(layer),  # type: ignore[attr-defined]
-                         None if pinned is None else pinned(layer))
+                         None if pinned is None else pinned(layer), target.spec.width)  # type: ignore[attr-defined]
         host = getattr(target, "host", None)
         timed = deadline is not None and host is not None and getattr(host, "remote", None) is not None
         if timed:

@@ -42,25 +42,52 @@ def test_a_repeated_query_converges_to_the_all_resident_read() -> None:
 
 def test_prefetch_cuts_caps_on_a_drifting_query_and_keeps_appending() -> None:
     """Queries that drift a little from step to step, a token appended to every sequence between steps: with
-    prefetch the steps after the first cap much less than without, and most prefetched items are used."""
-    codec, q, _, with_pf = _caches()
-    _, _, _, without = _caches()
+    prefetch the steps after the first cap much less than without, and most prefetched items are used when only
+    what the step asked for is brought (``k_margin=0``); a Key margin of one plane caps less again, at the price of
+    items brought and not read."""
+    codec, q, _, exact = _caches()
+    caches = [exact, _caches()[3], _caches()[3]]
     torch.manual_seed(0)
     qs = [q + 0.1 * q.std() * torch.randn_like(q) for _ in range(4)]
     kc, vc = (torch.randint(0, 256, (2, codec.spec.n_kv_heads, 1, codec.spec.head_dim), dtype=torch.uint8)
               for _ in range(2))
-    tallies = StepTally(), StepTally()
+    prefetchers = [Prefetcher(k_margin=0), Prefetcher(k_margin=1), None]
+    tallies = [StepTally() for _ in caches]
     for step, qq in enumerate(qs):
-        for cache, tally, pf in ((with_pf, tallies[0], Prefetcher()), (without, tallies[1], None)):
+        for cache, tally, pf in zip(caches, tallies, prefetchers, strict=True):
             if step:
                 cache.append(0, kc, vc)
             if step == 1:
                 tally.restart()  # count from the second step: the first has nothing prefetched
             tiered_decode_step(qq, cache, 0, codec, POLICY, pf, tally)
-    got, base = tallies[0].summary(), tallies[1].summary()
+    got, margin, base = (t.summary() for t in tallies)
     assert got["capped_bits"] < 0.5 * base["capped_bits"]
     assert got["hit_rate"] > base["hit_rate"] and got["fetched_used"] >= 0.5 * got["fetched"]
-    assert with_pf.length(0, 0) == LENGTHS[0] + 3
+    assert margin["capped_bits"] < got["capped_bits"] and margin["fetched"] > got["fetched"]
+    assert exact.length(0, 0) == LENGTHS[0] + 3
+
+
+def test_the_key_margin_comes_after_what_was_asked_and_stays_within_w() -> None:
+    """Margin planes are the planes [wanted, wanted + k_margin) of each channel that reaches past the hot planes,
+    never past W; they are brought after every plane the step asked for and only into the room those leave."""
+    codec, q, _, tiered = _caches()
+    res = tiered.residency(0)
+    _, st = readkv_decode(q, tiered, 0, codec, POLICY, residency=res)
+    wanted = st.extra["k_wanted"]
+    asked = Prefetcher(k_margin=0).plan(st, res, 4, 2, 64, 1000, 1000)
+    wide = Prefetcher(k_margin=2).plan(st, res, 4, 2, 64, 1000, 1000)
+    n = len(asked.k_fetch)
+    assert wide.k_fetch[:n] == asked.k_fetch and len(wide.k_fetch) > n
+    for b, h, c, j in wide.k_fetch[n:]:
+        assert max(4, int(wanted[b, h, c])) <= j < min(int(wanted[b, h, c]) + 2, 8)
+    expect = int(((wanted + 2).clamp_max(8) - wanted.clamp_min(4)).clamp_min(0).sum())
+    assert len(wide.k_fetch) - n == expect  # every channel past the hot planes, nothing resident yet
+    tight = Prefetcher(k_margin=2).plan(st, res, 4, 2, 64, n + 3, 1000)
+    assert tight.k_fetch == wide.k_fetch[: n + 3]  # the room left after the asked-for planes
+    capped = Prefetcher(k_planes_per_step=n + 1, k_margin=2).plan(st, res, 4, 2, 64, 1000, 1000)
+    assert capped.k_fetch == wide.k_fetch[: n + 1]
+    with pytest.raises(ValueError, match="k_margin"):
+        Prefetcher(k_margin=-1)
 
 
 def test_limits_and_the_cache_room_bound_what_is_brought() -> None:
