@@ -1,6 +1,7 @@
 """`planekv bench attention`: the decode-attention benchmark (:mod:`planekv.bench.attention`); `planekv bench
 tiering`, `planekv bench load` and `planekv bench prefix` (:mod:`planekv.bench.tiering`, :mod:`planekv.bench.load`,
-:mod:`planekv.bench.prefix`)."""
+:mod:`planekv.bench.prefix`); `planekv bench spill`
+(:mod:`planekv.bench.spill_read`)."""
 
 from __future__ import annotations
 
@@ -179,6 +180,38 @@ def _bench_prefix(args: argparse.Namespace) -> int:
     return 1 if reuse.same_as_compressed is False else 0
 
 
+def _bench_spill(args: argparse.Namespace) -> int:
+    import torch
+
+    from .output import rows_to_json
+    from .spill_read import SpillConfig, format_table, run_spill
+
+    console = Console(width=max(140, Console().width))
+    err = Console(stderr=True)
+    say = lambda s: err.print(f"[dim]{s}[/dim]")  # noqa: E731
+    try:
+        cfg = SpillConfig(blocks=args.blocks, block_bytes=int(args.block_mib * 2**20),
+                          page_bytes=int(args.page_kib * 1024), reps=args.reps, backend=args.backend,
+                          device=args.device, modes=tuple(args.modes), max_open_files=args.max_open_files)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for and CUDA is not available")
+        rows = run_spill(cfg, args.dir, progress=say)
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"planekv bench spill: {exc}") from None
+    console.print(format_table(rows))
+    console.print("first: the first pass; warm: the median of the later passes. The files were just written, so "
+                  "both may be served from the page cache.")
+    if args.json:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": dev,
+                "torch": torch.__version__, "host": platform.node(), "backend": rows[0].backend,
+                "compat_mode": rows[0].compat_mode, "config": dataclasses.asdict(cfg),
+                "args": vars(args) | {"func": None}}
+        rows_to_json(rows, args.json, meta)
+        console.print(f"wrote {args.json}")
+    return 0 if all(r.checked for r in rows) else 1
+
+
 def _at_least_one(text: str) -> int:
     n = int(text)
     if n < 1:
@@ -231,6 +264,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_tiering(bsub)
     _register_load(bsub)
     _register_prefix(bsub)
+    _register_spill(bsub)
 
 
 def _register_tiering(bsub: argparse._SubParsersAction) -> None:
@@ -346,3 +380,32 @@ def _register_prefix(bsub: argparse._SubParsersAction) -> None:
                         "(a stand-in of the same size: TTFT only); auto: compressed where it runs")
     t.add_argument("--json", help="write rows and metadata here")
     t.set_defaults(func=_bench_prefix)
+
+
+def _positive(text: str) -> float:
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return x
+
+
+def _register_spill(bsub: argparse._SubParsersAction) -> None:
+    from .spill_read import BACKENDS, MODES
+
+    t = bsub.add_parser("spill", help="the spill tier's reads against a plain read loop of the same library (kvikio "
+                                      "or posix) over the same files, in one run (issue 33)")
+    t.add_argument("--backend", choices=BACKENDS, default="auto", help="the tier's backend and the plain loop's "
+                                                                       "library (auto: kvikio where it runs)")
+    t.add_argument("--blocks", type=_at_least_one, default=64, help="blocks written (per mode)")
+    t.add_argument("--block-mib", type=_positive, default=1.0, help="payload per block, MiB")
+    t.add_argument("--page-kib", type=_positive, default=16.0, help="--modes page: bytes per read, KiB")
+    t.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="page: each block's pages; block: whole blocks (one page each)")
+    t.add_argument("--reps", type=_at_least_one, default=5, help="passes per system (first, then the median of "
+                                                                 "the rest)")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: pinned host buffers, and a plain kvikio loop straight into a CUDA tensor")
+    t.add_argument("--max-open-files", type=_at_least_one, default=64, help="the tier's handle cache")
+    t.add_argument("--dir", help="where the files go (default: a temporary directory, removed afterwards)")
+    t.add_argument("--json", help="write rows and metadata here")
+    t.set_defaults(func=_bench_spill)

@@ -26,9 +26,12 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 POSIX = "posix"
 KVIKIO = "kvikio"
 BACKENDS = (POSIX, KVIKIO)
+MAX_OPEN_FILES = 64  # default bound of the open-handle cache
 
 
 def _page_checksum(data: bytes | memoryview) -> int:
@@ -49,12 +53,16 @@ def _page_checksum(data: bytes | memoryview) -> int:
 
 class SpillTier:
     """Framed blocks as files under a directory of this process; ``backend``: "posix", "kvikio" or "auto"
-    (kvikio where it imports and CUDA is up, else POSIX)."""
+    (kvikio where it imports and CUDA is up, else POSIX). Each block file's open handle (a ``kvikio.CuFile`` or
+    an ``os.open`` descriptor) is kept in an LRU of at most ``max_open_files``, closed when its block is deleted or
+    rewritten, when it falls out of the LRU (once no read is using it) and on :meth:`close`."""
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, backend: str = "auto",
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, max_open_files: int = MAX_OPEN_FILES) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
+            raise ValueError(f"max_open_files must be an integer >= 1, got {max_open_files!r}")
         if backend not in (*BACKENDS, "auto"):
             raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {backend!r}")
         self.root = Path(root)
@@ -64,7 +72,9 @@ class SpillTier:
         self.dir.mkdir()
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self.backend, self._pread = _open_backend(backend)
+        self.backend, self._io, self.compat_mode = _open_backend(backend)
+        self.max_open_files = max_open_files
+        self._handles: OrderedDict[BlockKey, _Handle] = OrderedDict()  # least recently used first
         self._sizes: dict[BlockKey, int] = {}  # bytes on disk per block
         self._page_sums: dict[BlockKey, tuple[int, int, list[int]]] = {}  # (first page offset, page bytes, sums)
         self._used = 0
@@ -74,6 +84,12 @@ class SpillTier:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def open_handles(self) -> int:
+        """Block files whose handle the cache holds open now."""
+        with self._lock:
+            return len(self._handles)
 
     def path(self, key: BlockKey) -> Path:
         return self.dir / (f"{key.sequence_id}.{key.kind}.{key.layer}.{key.kv_head}.{key.page_start}-"
@@ -102,6 +118,7 @@ class SpillTier:
         sums = [_page_checksum(memoryview(raw)[page_offset + i * page_bytes: page_offset + (i + 1) * page_bytes])
                 for i in range(key.n_pages)]
         with self._lock:
+            self._drop_handle(key)  # a handle of a file this one replaced would read the old bytes
             self._sizes[key] = raw.nbytes
             self._page_sums[key] = (page_offset, page_bytes, sums)
 
@@ -116,8 +133,13 @@ class SpillTier:
         if out.dtype != torch.uint8 or out.numel() != page_bytes or out.device.type != "cpu":
             raise ValueError(f"out must be uint8 [{page_bytes}] in host memory, got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
-        got = self._pread(self.path(key), out, offset + index * page_bytes)
-        if got != page_bytes or _page_checksum(out.numpy()) != sums[index]:
+        arr = out.numpy()  # one view for the read and the check
+        handle = self._acquire(key)
+        try:
+            got = self._io.pread(handle.obj, arr, offset + index * page_bytes)
+        finally:
+            self._release(handle)
+        if got != page_bytes or _page_checksum(arr) != sums[index]:
             raise BlockCorrupt(f"page {index} of spilled block {key} at {self.path(key)} does not match what was "
                                f"written ({got} of {page_bytes} bytes read)")
         return out
@@ -131,6 +153,7 @@ class SpillTier:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
         with self._lock:
+            self._drop_handle(key)
             self._used -= self._sizes.pop(key, 0)
             self._page_sums.pop(key, None)
 
@@ -138,12 +161,67 @@ class SpillTier:
         return key in self._sizes
 
     def close(self) -> None:
-        """Remove this tier's files and directory."""
+        """Close every cached handle (one in use by a read closes when that read ends); remove this tier's files
+        and directory."""
+        with self._lock:
+            for key in list(self._handles):
+                self._drop_handle(key)
         shutil.rmtree(self.dir, ignore_errors=True)
         with self._lock:
             self._sizes.clear()
             self._page_sums.clear()
             self._used = 0
+
+
+    # The handle cache. Every method below but _acquire and _release runs under self._lock.
+
+    def _acquire(self, key: BlockKey) -> _Handle:
+        """The open handle of ``key``'s file (opened and cached if it is not), marked in use; KeyError if the block
+        is not here."""
+        with self._lock:
+            if key not in self._page_sums:
+                raise KeyError(key)
+            h = self._handles.get(key)
+            if h is None:
+                h = _Handle(self._io.open(self.path(key)))
+                self._handles[key] = h
+                while len(self._handles) > self.max_open_files:
+                    self._drop_handle(next(iter(self._handles)))
+            else:
+                self._handles.move_to_end(key)
+            h.users += 1
+            return h
+
+    def _release(self, h: _Handle) -> None:
+        with self._lock:
+            h.users -= 1
+            if h.dropped and h.users == 0:
+                self._close(h)
+
+    def _drop_handle(self, key: BlockKey) -> None:
+        """Take ``key``'s handle out of the cache; closed now, or by the last read using it."""
+        h = self._handles.pop(key, None)
+        if h is None:
+            return
+        h.dropped = True
+        if h.users == 0:
+            self._close(h)
+
+    def _close(self, h: _Handle) -> None:
+        if h.obj is None:
+            return
+        obj, h.obj = h.obj, None
+        try:
+            self._io.close(obj)
+        except Exception:  # noqa: BLE001 - closing a read-only handle: nothing to lose, keep the books
+            log.warning("spill tier: closing a file handle failed", exc_info=True)
+
+
+@dataclass
+class _Handle:
+    obj: Any  # the backend's open file (an fd, a kvikio.CuFile); None once closed
+    users: int = 0  # reads using it now
+    dropped: bool = False  # out of the cache: close when the last read ends
 
 
 def _remove_dead_owners(root: Path) -> None:
@@ -166,13 +244,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-PRead = Callable[[Path, torch.Tensor, int], int]  # (path, out uint8 host tensor, file offset) -> bytes read
+class _PosixIO:
+    """``os.open`` once per file, ``os.preadv`` into the host tensor's numpy view."""
 
+    @staticmethod
+    def open(path: Path) -> int:
+        return os.open(path, os.O_RDONLY)
 
-def _posix_pread(path: Path, out: torch.Tensor, offset: int) -> int:
-    view = memoryview(out.numpy()).cast("B")
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    @staticmethod
+    def pread(fd: int, out: np.ndarray, offset: int) -> int:
+        view = memoryview(out).cast("B")  # raises for a non-contiguous buffer (never reads into a copy)
         done = 0
         while done < view.nbytes:
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -180,29 +261,60 @@ def _posix_pread(path: Path, out: torch.Tensor, offset: int) -> int:
                 break
             done += n
         return done
-    finally:
+
+    @staticmethod
+    def close(fd: int) -> None:
         os.close(fd)
 
 
-def _open_backend(backend: str) -> tuple[str, PRead]:
-    """The backend's name and read function: kvikio where asked (or "auto" and it works here), else POSIX."""
+class _KvikioIO:
+    """``kvikio.CuFile`` once per file, ``CuFile.pread`` into the host tensor's numpy view (pinned: kvikio's
+    fastest path)."""
+
+    def __init__(self, kvikio: Any) -> None:
+        self.kvikio = kvikio
+
+    def open(self, path: Path) -> Any:
+        return self.kvikio.CuFile(path, "r")
+
+    @staticmethod
+    def pread(f: Any, out: np.ndarray, offset: int) -> int:
+        return int(f.pread(out, size=out.nbytes, file_offset=offset).get())
+
+    @staticmethod
+    def close(f: Any) -> None:
+        f.close()
+
+
+def _compat_mode(defaults: Any) -> str:
+    """kvikio's compatibility mode as words: "ON", "OFF" or "AUTO", and with AUTO whether it falls back to POSIX
+    reads here (no GPUDirect Storage). kvikio >= 25 has ``defaults.get("compat_mode")`` (an enum) and
+    ``is_compat_mode_preferred()``; older releases ``defaults.compat_mode()`` (a bool)."""
+    if hasattr(defaults, "get"):
+        mode = defaults.get("compat_mode")
+        name = getattr(mode, "name", str(mode))
+        if hasattr(defaults, "is_compat_mode_preferred"):
+            name += f" (POSIX reads: {bool(defaults.is_compat_mode_preferred())})"
+        return name
+    return "ON" if defaults.compat_mode() else "OFF"
+
+
+def _open_backend(backend: str) -> tuple[str, Any, str | None]:
+    """The backend's name, its I/O (open, pread, close) and kvikio's compatibility mode (None for POSIX): kvikio
+    where asked (or "auto" and it works here), else POSIX."""
     if backend == POSIX:
-        return POSIX, _posix_pread
+        return POSIX, _PosixIO(), None
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
         import kvikio  # the gpu extra
+        import kvikio.defaults
 
-        compat = kvikio.defaults.compat_mode()
+        compat = _compat_mode(kvikio.defaults)
     except Exception as exc:  # noqa: BLE001 - any reason kvikio cannot serve here
         if backend == KVIKIO:
             raise RuntimeError(f"the kvikio spill backend was asked for and cannot run here: {exc}") from exc
         log.info("spill tier: kvikio unavailable (%s); POSIX reads", exc)
-        return POSIX, _posix_pread
-
-    def kvikio_pread(path: Path, out: torch.Tensor, offset: int) -> int:
-        with kvikio.CuFile(path, "r") as f:
-            return int(f.pread(out.numpy(), size=out.numel(), file_offset=offset).get())
-
+        return POSIX, _PosixIO(), None
     log.info("spill tier: kvikio reads (compatibility mode: %s)", compat)
-    return KVIKIO, kvikio_pread
+    return KVIKIO, _KvikioIO(kvikio), str(compat)

@@ -134,3 +134,116 @@ def test_bad_arguments_are_refused(tmp_path):
         SpillTier(tmp_path, -1)
     with pytest.raises(RuntimeError, match="kvikio spill backend was asked for and cannot run here"):
         SpillTier(tmp_path, 1 << 20, backend="kvikio")  # no CUDA device on this machine
+
+
+def _block(spill: SpillTier, seq: str, salt: int = 0):
+    """Write one block of 4 pages straight to ``spill``; its key and the pages written."""
+    from planekv.tiering.frame import BlockKey, encode_frame
+
+    key = BlockKey(FORMAT, seq, "v", 0, 0, 0, 4, 4, 8)
+    pages = [_page(salt, i) for i in range(4)]
+    frame = encode_frame(key, torch.cat(pages).numpy().tobytes())
+    spill.write(key, torch.frombuffer(bytearray(frame), dtype=torch.uint8), HEADER_BYTES, PAGE)
+    return key, pages
+
+
+def _count_block_opens(monkeypatch) -> tuple[list[int], list[int]]:
+    """The descriptors of block files opened, and those of them closed, from now on."""
+    opened: list[int] = []
+    closed: list[int] = []
+    live: set[int] = set()
+    real_open, real_close = os.open, os.close
+
+    def counting_open(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if str(path).endswith(".blk"):
+            opened.append(fd)
+            live.add(fd)
+        return fd
+
+    def counting_close(fd):
+        if fd in live:
+            live.discard(fd)
+            closed.append(fd)
+        return real_close(fd)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(os, "close", counting_close)
+    return opened, closed
+
+
+def test_many_reads_of_a_block_reuse_one_open_handle(tmp_path, monkeypatch):
+    spill = SpillTier(tmp_path, capacity_bytes=64 * BLOCK, backend="posix")
+    key, pages = _block(spill, "seq0")
+    opened, _ = _count_block_opens(monkeypatch)
+    for _ in range(5):
+        for i in range(4):
+            assert torch.equal(spill.read_page(key, i), pages[i])
+    assert len(opened) == 1 and spill.open_handles == 1
+
+
+def test_a_deleted_block_closes_its_handle_and_a_new_block_under_its_key_reads_the_new_bytes(tmp_path, monkeypatch):
+    spill = SpillTier(tmp_path, capacity_bytes=64 * BLOCK, backend="posix")
+    key, old = _block(spill, "seq0", salt=1)
+    opened, closed = _count_block_opens(monkeypatch)
+    assert torch.equal(spill.read_page(key, 2), old[2])
+    spill.delete(key)
+    assert spill.open_handles == 0 and closed == opened and len(opened) == 1
+    with pytest.raises(KeyError):
+        spill.read_page(key, 0)
+    key2, new = _block(spill, "seq0", salt=2)
+    assert key2 == key and not torch.equal(new[2], old[2])
+    assert torch.equal(spill.read_page(key, 2), new[2])
+    _, newer = _block(spill, "seq0", salt=3)  # rewritten without a delete: the cached handle is dropped too
+    assert torch.equal(spill.read_page(key, 2), newer[2])
+
+
+def test_the_handle_cache_is_bounded_and_close_closes_every_handle(tmp_path, monkeypatch):
+    spill = SpillTier(tmp_path, capacity_bytes=64 * BLOCK, backend="posix", max_open_files=3)
+    blocks = [_block(spill, f"seq{i}", salt=i) for i in range(6)]
+    opened, closed = _count_block_opens(monkeypatch)
+    for key, pages in blocks:
+        assert torch.equal(spill.read_page(key, 0), pages[0])
+        assert spill.open_handles <= 3
+    assert len(opened) == 6 and len(closed) == 3 and spill.open_handles == 3
+    key, pages = blocks[-1]
+    assert torch.equal(spill.read_page(key, 1), pages[1]) and len(opened) == 6  # still cached: no reopen
+    key, pages = blocks[0]
+    assert torch.equal(spill.read_page(key, 1), pages[1]) and len(opened) == 7  # evicted earlier: reopened
+    spill.close()
+    assert spill.open_handles == 0 and len(closed) == len(opened)
+
+
+def test_reads_from_several_threads_share_the_cache(tmp_path):
+    import concurrent.futures
+
+    spill = SpillTier(tmp_path, capacity_bytes=64 * BLOCK, backend="posix", max_open_files=2)
+    blocks = [_block(spill, f"seq{i}", salt=i) for i in range(5)]
+
+    def read_all(t: int) -> bool:
+        return all(torch.equal(spill.read_page(k, (i + t) % 4), p[(i + t) % 4])
+                   for i in range(20) for k, p in blocks)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(read_all, range(4)))
+    assert spill.open_handles <= 2
+
+
+def test_a_bad_handle_bound_is_refused(tmp_path):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_open_files"):
+            SpillTier(tmp_path, 1 << 20, backend="posix", max_open_files=bad)
+
+
+def test_kvikio_compat_mode_is_read_from_either_api() -> None:
+    """kvikio 26 (``defaults.get`` returning an enum) and older releases (``defaults.compat_mode()``) both name
+    the mode the tier logs and the spill benchmark reports."""
+    import enum
+    import types
+
+    from planekv.tiering.spill_tier import _compat_mode
+
+    mode = enum.Enum("CompatMode", "OFF ON AUTO")
+    new = types.SimpleNamespace(get=lambda key: {"compat_mode": mode.AUTO}[key], is_compat_mode_preferred=lambda: True)
+    assert _compat_mode(new) == "AUTO (POSIX reads: True)"
+    assert _compat_mode(types.SimpleNamespace(compat_mode=lambda: False)) == "OFF"
