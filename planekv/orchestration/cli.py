@@ -30,7 +30,7 @@ def _up(args: argparse.Namespace) -> int:
     worker_args += ["--calibration", args.calibration] if args.calibration else []
     try:
         state = up(_data_dir(args), ports, args.workers, args.api_token, worker_args, args.timeout,
-                   say=lambda s: console.print(f"[dim]{s}[/dim]"))
+                   say=lambda s: console.print(f"[dim]{s}[/dim]"), worker_gpu_share=args.worker_gpu_share)
     except StackError as exc:
         console.print(f"[red]planekv up: {exc}[/red]")
         return 1
@@ -70,9 +70,14 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .stack import WORKER_GPU_SHARE
+
     u = sub.add_parser("up", help="start the stack on this machine: redis, control, store, a Ray head, PlaneWorkers")
     u.add_argument("--data-dir", help="where state, logs and data live (default: settings data_dir, ~/.planekv)")
     u.add_argument("--workers", type=int, default=None, help="PlaneWorkers (default: one per GPU, one without)")
+    u.add_argument("--worker-gpu-share", type=float, default=WORKER_GPU_SHARE,
+                   help="of its GPU each PlaneWorker takes (default %(default)s: the rest is left to evaluation "
+                        "workers of `planekv eval --workers N --address stack`; 1: the whole GPU)")
     u.add_argument("--free-ports", action="store_true", help="pick free loopback ports instead of the defaults "
                                                              "(redis 6381, control 8080, store 8090, Ray 6380/8265)")
     u.add_argument("--api-token", default=None, help="bearer token the REST services require")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .stack import StackError, port_busy, running, stack_dir
+from .stack import StackError, StackState, port_busy, running, stack_dir
 from .worker_host import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -212,6 +212,12 @@ def _use_stack_ray_settings(token_path: Path) -> None:
 def join_stack(data_dir: str | os.PathLike[str] | None = None) -> tuple[str, list[str]]:
     """(the Ray address, the PlaneWorker actors' names) of the stack recorded under ``data_dir`` (default: settings'
     data_dir), with this process's Ray set up to join it (``_use_stack_ray_settings``)."""
+    address, state = join_stack_state(data_dir)
+    return address, [c.name for c in state.components if c.name.startswith("worker-")]
+
+
+def join_stack_state(data_dir: str | os.PathLike[str] | None = None) -> tuple[str, StackState]:
+    """:func:`join_stack`, with the stack's recorded state (its PlaneWorkers' GPU share among others)."""
     from ..settings import load_settings
 
     dd = Path(data_dir).expanduser() if data_dir else load_settings().data_dir
@@ -222,7 +228,7 @@ def join_stack(data_dir: str | os.PathLike[str] | None = None) -> tuple[str, lis
     _use_stack_ray_settings(stack_dir(dd) / "ray-token")
     if not port_busy(state.ports["ray_gcs"]):
         raise StackError(f"the stack's Ray head does not answer on {address} (`planekv status` shows its state)")
-    return address, [c.name for c in state.components if c.name.startswith("worker-")]
+    return address, state
 
 
 def connect(data_dir: str | os.PathLike[str] | None = None, address: str | None = None) -> Cluster:

@@ -65,10 +65,10 @@ class RayExecutor:
         self.unit_timeout_s = unit_timeout_s
         self._connected_here = not ray.is_initialized()
         if self._connected_here:
-            _init_ray(workers, address)
+            gpu_share = _init_ray(workers, address)
         self.actors: list[Any] = []
         try:
-            self.actors = _start_actors(recipe, workers)
+            self.actors = _start_actors(recipe, workers, gpu_share)
         except BaseException:
             self.close()
             raise
@@ -153,42 +153,62 @@ def _keys(units: list[Unit], most: int = 20) -> str:
     return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
-def _init_ray(workers: int, address: str | None) -> None:
+def _init_ray(workers: int, address: str | None) -> float:
+    """Join or start the cluster (module docstring); returns the GPU share each evaluation worker asks for: what
+    the stack's PlaneWorkers leave of a GPU on ``"stack"``, else a whole GPU."""
     import ray
 
     if address is None and os.environ.get("RAY_ADDRESS"):  # inside a Ray job (or told so): its cluster
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
         log.info("joined the Ray cluster of this job (RAY_ADDRESS %s)", os.environ["RAY_ADDRESS"])
-        return
+        return 1.0
     if address is None:
         import torch
 
         ray.init(num_cpus=workers, num_gpus=torch.cuda.device_count(), include_dashboard=False, namespace=NAMESPACE,
                  log_to_driver=False)
-        return
+        return 1.0
+    share = 1.0
     if address == "stack":
-        from .client import join_stack
+        from .client import join_stack_state
 
-        address, _ = join_stack()
+        address, state = join_stack_state()
+        share = stack_gpu_share(state.worker_gpu_share)
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    return share
 
 
-def _start_actors(recipe: SetupRecipe, workers: int) -> list[Any]:
-    """``workers`` EvalWorkers, each on a GPU when the cluster has GPUs (and --device is not cpu), else on a CPU;
-    all ready, or raises."""
+def stack_gpu_share(worker_share: float) -> float:
+    """The GPU share an evaluation worker asks for on a stack whose PlaneWorkers take ``worker_share`` of their
+    GPU: what they leave (0 when they take it whole: the evaluation workers then run where the cluster has a GPU
+    of its own, or on CPUs where it has none)."""
+    return round(max(0.0, 1.0 - worker_share), 6)
+
+
+def _start_actors(recipe: SetupRecipe, workers: int, gpu_share: float = 1.0) -> list[Any]:
+    """``workers`` EvalWorkers, each on ``gpu_share`` of a GPU when the cluster has GPUs (and --device is not cpu),
+    else on a CPU; all ready, or raises. ``gpu_share`` 0 (a stack whose workers hold their GPUs whole): a whole GPU
+    where one is free, else refused with what to do."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     use_gpus = recipe.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
     need = "GPU" if use_gpus else "CPU"
-    have, free = int(ray.cluster_resources().get(need, 0)), int(ray.available_resources().get(need, 0))
-    if workers > have:
-        raise ValueError(f"--workers {workers} needs {workers} {need}s (one per worker); the cluster has {have}")
-    if workers > free:
-        log.warning("%d of the cluster's %ss are free now; the evaluation workers wait for %d (at most %.0f s)",
-                    free, need, workers, START_TIMEOUT_S)
-    cls = ray.remote(EvalWorker).options(num_cpus=1, num_gpus=1 if use_gpus else 0, max_restarts=ACTOR_MAX_RESTARTS,
-                                         max_task_retries=0)
+    per_worker = (gpu_share or 1.0) if use_gpus else 1.0
+    have, free = ray.cluster_resources().get(need, 0), ray.available_resources().get(need, 0)
+    slots_have = int(have // per_worker) if use_gpus else int(have)
+    if workers > slots_have:
+        raise ValueError(f"--workers {workers} needs {workers * per_worker:g} {need}s ({per_worker:g} per worker); "
+                         f"the cluster has {have:g}")
+    if use_gpus and gpu_share == 0 and free < workers:
+        raise ValueError(f"the stack's PlaneWorkers hold its GPUs whole ({free:g} free): start it with "
+                         "`planekv up --worker-gpu-share 0.5` to leave room for evaluation workers, or run the "
+                         "evaluation without --address stack")
+    if workers * per_worker > free:
+        log.warning("%g of the cluster's %ss are free now; the evaluation workers wait for %g (at most %.0f s)",
+                    free, need, workers * per_worker, START_TIMEOUT_S)
+    cls = ray.remote(EvalWorker).options(num_cpus=1, num_gpus=per_worker if use_gpus else 0,
+                                         max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0)
     actors = [cls.remote(recipe) for _ in range(workers)]
     try:
         infos = ray.get([a.ready.remote() for a in actors], timeout=START_TIMEOUT_S)

@@ -91,6 +91,7 @@ class StackState:
     ports: dict[str, int]
     api_token: str | None
     components: list[Component] = field(default_factory=list)
+    worker_gpu_share: float = 1.0  # of its GPU each PlaneWorker takes (state files before it: the whole GPU)
 
     def save(self, path: Path) -> None:
         atomic_write_bytes(path, json.dumps(asdict(self), indent=2).encode())
@@ -157,6 +158,11 @@ def _ray_token(state: StackState) -> str | None:
 
 # ---- up ----
 
+# Of its GPU a PlaneWorker takes: the rest is for the evaluation workers of `planekv eval --address stack`, which
+# would otherwise wait for a GPU the stack's workers hold (seen on a one-GPU H100, 2026-12-05).
+WORKER_GPU_SHARE = 0.5
+
+
 def _planekv(*args: str) -> list[str]:
     return [sys.executable, "-m", "planekv.cli", *args]
 
@@ -172,9 +178,13 @@ def _gpus() -> int:
 
 def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, api_token: str | None = None,
        worker_args: list[str] | None = None, timeout: float = START_TIMEOUT_S,
-       say: Callable[[str], None] | None = None) -> StackState:
+       say: Callable[[str], None] | None = None, worker_gpu_share: float = WORKER_GPU_SHARE) -> StackState:
     """Start the stack under ``data_dir`` and wait until every process is healthy (or raise StackError after
-    stopping what was started). ``workers``: PlaneWorkers to start (default: one per GPU, one without)."""
+    stopping what was started). ``workers``: PlaneWorkers to start (default: one per GPU, one without);
+    ``worker_gpu_share``: of its GPU each takes (Ray's fractional GPUs; the rest is left to evaluation workers
+    that join the stack, ``planekv eval ... --workers N --address stack``)."""
+    if not 0.0 < worker_gpu_share <= 1.0:
+        raise StackError(f"worker_gpu_share must be in (0, 1], got {worker_gpu_share}")
     say = say or log.info
     data_dir = Path(data_dir).expanduser()
     sd = stack_dir(data_dir)
@@ -217,7 +227,7 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
         env["PLANEKV_API_TOKEN"] = api_token
     # only the services talk to Redis: Ray and the workers never see its address or password file
     service_env = dict(env, PLANEKV_REDIS_URL=redis_url, PLANEKV_REDIS_PASSWORD_FILE=str(password_file))
-    state = StackState(str(data_dir), time.time(), wanted, api_token)
+    state = StackState(str(data_dir), time.time(), wanted, api_token, worker_gpu_share=worker_gpu_share)
     state_path = sd / STATE
     t0 = time.monotonic()
 
@@ -244,7 +254,7 @@ def up(data_dir: Path, ports: Ports | None = None, workers: int | None = None, a
             port = ports.worker_metrics + i
             start(f"worker-{i}", [sys.executable, "-m", "planekv.orchestration.worker_host", "--address",
                                   f"127.0.0.1:{ports.ray_gcs}", "--index", str(i), "--port", str(port),
-                                  "--gpus", "1" if i < n_gpus else "0", "--control-url",
+                                  "--gpus", str(worker_gpu_share) if i < n_gpus else "0", "--control-url",
                                   f"http://127.0.0.1:{ports.control}", *(worker_args or [])],
                   port, f"http://127.0.0.1:{port}")
         _wait(state, [c.name for c in state.components if c.name not in ("redis", "ray")], t0 + timeout, say)
