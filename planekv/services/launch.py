@@ -48,7 +48,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def port_busy(port: int) -> bool:
+    """Whether something listens on (or holds) the loopback ``port``. SO_REUSEADDR as servers bind: a port whose
+    last connections wait in TIME_WAIT (a stack just stopped) is free for them, and so is it here."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

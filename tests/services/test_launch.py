@@ -3,13 +3,14 @@ config file requiring a password that appears in no command line, and a ping tha
 
 from __future__ import annotations
 
+import socket
 import stat
 from pathlib import Path
 
 import pytest
 import redis
 
-from planekv.services.launch import new_secret_file, redis_command, redis_ping
+from planekv.services.launch import new_secret_file, port_busy, redis_command, redis_ping
 from planekv.services.redis_auth import RedisPasswordError, read_password_file
 
 from .conftest import Proc, redis_password_file
@@ -80,3 +81,21 @@ def test_the_password_is_in_no_command_line_environment_or_log_of_the_fixtures(r
         assert b"--redis-url" not in cmdline
     for p in (redis_server, control, store):
         assert password.decode() not in p.log.read_text()
+
+
+def test_a_port_is_busy_while_listened_on_and_free_once_only_time_wait_is_left() -> None:
+    """A stack just stopped leaves its server-side connections in TIME_WAIT; servers bind such a port again
+    (SO_REUSEADDR), so `planekv up` must not call it busy (it did on the GPU machine, 2026-12-05)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    assert port_busy(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server closes first: its side of the connection waits in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    assert not port_busy(port)
+    with socket.socket() as plain:  # what the probe did before: a bind without SO_REUSEADDR is refused
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
