@@ -379,6 +379,39 @@ class HostTier:
                         return blk.buf[off: off + st.page_bytes]
         raise KeyError(f"the host tier holds no page {slot} of {stream}")
 
+    def pages(self, stream: StreamKey, first: int, n: int) -> torch.Tensor:
+        """The bytes of pages ``first .. first + n - 1`` of ``stream`` (uint8 [n, page bytes], a copy), a block at a
+        time where :meth:`page` goes a page at a time (a Key channel-plane needs every page of its head); the same
+        counts and errors as :meth:`page` (KeyError for a page not held)."""
+        if n < 1:
+            raise ValueError(f"pages: n must be >= 1, got {n}")
+        with self._lock:
+            st = self._streams.get(stream)
+            if st is None:
+                raise KeyError(f"the host tier holds no page {first} of {stream}")
+            out = torch.empty(n, st.page_bytes, dtype=torch.uint8)
+            done = 0
+            for blk in st.blocks:
+                lo, hi = max(first, blk.first_slot), min(first + n, blk.first_slot + blk.n_pages)
+                if lo >= hi:
+                    continue
+                if blk.buf is None and not blk.remote_only:  # spilled: the spill tier reads a page at a time
+                    for slot in range(lo, hi):
+                        out[slot - first] = self.page(stream, slot)
+                else:
+                    buf = self._fetch_remote(blk) if blk.remote_only else blk.buf
+                    assert buf is not None
+                    off = HEADER_BYTES + (lo - blk.first_slot) * st.page_bytes
+                    out[lo - first: hi - first] = buf[off: off + (hi - lo) * st.page_bytes].view(hi - lo, -1)
+                    self._reads += 1
+                    blk.last_read = self._reads
+                    if not blk.remote_only:
+                        self.read_bytes["host"] += (hi - lo) * st.page_bytes
+                done += hi - lo
+            if done != n:
+                raise KeyError(f"the host tier holds {done} of pages {first}..{first + n - 1} of {stream}")
+            return out
+
     def frames(self, stream: StreamKey) -> list[tuple[BlockKey, torch.Tensor]]:
         """The sealed blocks of ``stream`` as frames (key, the frame's bytes: a view), in page order."""
         st = self._streams.get(stream)

@@ -558,9 +558,12 @@ class TieredCache:
 
     def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
         """Bring Key channel-planes (sequence b, KV head h, channel c, plane j >= h_K) back to the device, over
-        every page of the head; returns how many were brought."""
+        every page of the head; returns how many were brought. Slots are taken in the order given (the LRU's
+        bookkeeping), then filled per (sequence, KV head): its pages are read from the host tier once for all of
+        its channel-planes, and copied to the device in one go."""
         hk, w = self.hot_k[layer], self.spec.width
         lru, n = self._k_lru[layer], 0
+        fill: dict[int, tuple[int, int, int, int]] = {}  # slot -> item (a later take of the slot replaces it)
         for b, h, c, j in planes:
             if not hk <= j < w:
                 raise ValueError(f"plane {j} of layer {layer} is not a refinement plane (hot: {hk}, W: {w})")
@@ -575,24 +578,33 @@ class TieredCache:
                 ob, oh, oc, oj = old  # type: ignore[misc]
                 self.k_slot[layer][ob, oh, oc, oj - hk] = -1
                 self.counters["k_evicted"] += 1
-            self.k_promo[layer][slot] = self._k_vector(layer, b, h, c, j)
+            fill[slot] = (b, h, c, j)
             self.k_slot[layer][b, h, c, j - hk] = slot
             n += 1
+        by_head: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for slot, (b, h, c, j) in fill.items():
+            by_head.setdefault((b, h), []).append((slot, c, j))
+        for (b, h), items in by_head.items():
+            slots = torch.tensor([s for s, _, _ in items], dtype=torch.long)
+            vectors = self._k_vectors(layer, b, h, [(c, j) for _, c, j in items])  # [n, max_slots, P/8]
+            self.k_promo[layer][slots.to(self.k_promo[layer].device)] = vectors
         self.counters["k_promoted"] += n
         return n
 
-    def _k_vector(self, layer: int, b: int, h: int, c: int, j: int) -> torch.Tensor:
-        """Plane j of channel c over every page of (b, h): sealed pages from the host tier, the open one from its
-        buffer; [max_slots, P/8]."""
+    def _k_vectors(self, layer: int, b: int, h: int, items: list[tuple[int, int]]) -> torch.Tensor:
+        """Planes j of channels c ((c, j) in ``items``) over every page of (b, h): sealed pages from the host tier
+        (read once for all items), the open one from its buffer; [len(items), max_slots, P/8] on the device."""
         hk, w, d, p = self.hot_k[layer], self.spec.width, self.spec.head_dim, self.spec.page_size
-        out = torch.zeros(self.max_slots, self.k_row, dtype=torch.uint8)
+        cs = torch.tensor([c for c, _ in items], dtype=torch.long)
+        js = torch.tensor([j - hk for _, j in items], dtype=torch.long)
+        out = torch.zeros(len(items), self.max_slots, self.k_row, dtype=torch.uint8)
         t = self.length(layer, b)
         sealed = t // p
-        stream = (self.sequence_ids[b], "k", layer, h)
-        for s in range(sealed):
-            out[s] = self.host.page(stream, s).view(w - hk, d, self.k_row)[j - hk, c]
+        if sealed:
+            pages = self.host.pages((self.sequence_ids[b], "k", layer, h), 0, sealed)  # [sealed, page bytes]
+            out[:, :sealed] = pages.view(sealed, w - hk, d, self.k_row)[:, js, cs].transpose(0, 1)
         if t % p:
-            out[sealed] = self.k_open[layer][b * self.spec.n_kv_heads + h, j - hk, c].cpu()
+            out[:, sealed] = self.k_open[layer][b * self.spec.n_kv_heads + h].cpu()[js, cs]
         return out.to(self.device)
 
     # ---- residency and reads ----

@@ -53,3 +53,25 @@ def _held(tier: HostTier, i: int) -> bool:
     except KeyError:
         return False
     return True
+
+
+def test_a_run_of_pages_reads_as_the_pages_one_by_one_in_memory_and_spilled(tmp_path):
+    """``pages`` (a Key channel-plane's read: every page of a head, a block at a time) gives what ``page`` gives,
+    across block boundaries, from memory and from the spill tier; a page not held is a KeyError, not zeros."""
+    from planekv.tiering.spill_tier import SpillTier
+
+    spill = SpillTier(tmp_path, 64 << 20, backend="posix")
+    # room for one sealed block in memory: the first block of 8 pages spills when the second seals
+    tier = HostTier("0123456789abcdef", capacity_bytes=2 * (HEADER_BYTES + 8 * PAGE) + 4096,
+                    block_bytes=HEADER_BYTES + 8 * PAGE, spill=spill)
+    for i in range(20):
+        tier.put_page(STREAM, i, (4, 8), _page(i))
+    assert tier.spilled_bytes > 0  # some pages come from files
+    got = tier.pages(STREAM, 0, 20)
+    assert torch.equal(got, torch.stack([_page(i) for i in range(20)]))
+    assert torch.equal(tier.pages(STREAM, 5, 6), torch.stack([_page(i) for i in range(5, 11)]))
+    with pytest.raises(KeyError):
+        tier.pages(STREAM, 15, 10)  # pages 20..24 were never stored
+    with pytest.raises(KeyError):
+        tier.pages(("seq-9", "k", 0, 0), 0, 1)
+    spill.close()
