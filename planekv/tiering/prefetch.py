@@ -123,18 +123,19 @@ class Prefetcher:
         deficit = (wanted - start).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot (and pinned) ones
         margin = (reach - torch.maximum(wanted, start)).clamp_min(0)  # [B, Hkv, d] margin planes past those
         keep, fetch, m_keep, m_fetch = [], [], [], []
-        chans = deficit.nonzero().tolist()
-        chans.sort(key=lambda x: -int(deficit[x[0], x[1], x[2]]))
-        for b, h, c in chans:
-            r = int(resident[b, h, c])
-            for j in range(int(start[b, h, c]), int(wanted[b, h, c])):
+        # the channels asked past the hot planes [n, 3], and their values gathered once as lists (indexing a tensor
+        # per item costs microseconds each: thousands of channels at B = 32)
+        idx = deficit.nonzero()
+        cols = [t[idx[:, 0], idx[:, 1], idx[:, 2]].tolist() for t in (deficit, resident, start, wanted)]
+        chans = sorted(zip(idx.tolist(), *cols, strict=True), key=lambda x: -x[1])
+        for (b, h, c), _, r, lo, hi in chans:
+            for j in range(lo, hi):
                 (keep if j < r else fetch).append((b, h, c, j))
-        m_chans = margin.nonzero().tolist()
-        m_chans.sort(key=lambda x: -int(wanted[x[0], x[1], x[2]]))
-        for b, h, c in m_chans:
-            r = int(resident[b, h, c])
-            lo = max(int(wanted[b, h, c]), int(start[b, h, c]))
-            for j in range(lo, int(reach[b, h, c])):
+        idx = margin.nonzero()
+        cols = [t[idx[:, 0], idx[:, 1], idx[:, 2]].tolist() for t in (wanted, resident, start, reach)]
+        m_chans = sorted(zip(idx.tolist(), *cols, strict=True), key=lambda x: -x[1])
+        for (b, h, c), want, r, st, hi in m_chans:
+            for j in range(max(want, st), hi):
                 (m_keep if j < r else m_fetch).append((b, h, c, j))
         fetch = fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
         limit = None if self.k_planes_per_step is None else self.k_planes_per_step - len(fetch)
@@ -152,8 +153,10 @@ class Prefetcher:
                 continue
             demand = (w_b[:, : n_sealed * page_size] - hot).clamp_min(0).view(hk_n, n_sealed, page_size).sum(-1)
             on = residency.v_page_depth[b, :, :n_sealed] > hot  # [Hkv, sealed]
-            for h, s in demand.nonzero().tolist():
-                ranked.append((float(demand[h, s]), b, h, s, bool(on[h, s])))
+            idx = demand.nonzero()
+            hs, ss = idx[:, 0], idx[:, 1]
+            ranked += [(float(dm), b, h, s, o) for (h, s), dm, o in
+                       zip(idx.tolist(), demand[hs, ss].tolist(), on[hs, ss].tolist(), strict=True)]
         ranked.sort(key=lambda x: -x[0])
         keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
         fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
@@ -171,8 +174,10 @@ class Prefetcher:
                 continue
             demand = w_b[:, : n_sealed * page_size].view(hk_n, n_sealed, page_size).sum(-1)  # [Hkv, sealed]
             on = page_depth[b, :, :n_sealed] > hot
-            for h, s in demand.nonzero().tolist():
-                ranked.append((int(demand[h, s]), b, h, s, bool(on[h, s])))
+            idx = demand.nonzero()
+            hs, ss = idx[:, 0], idx[:, 1]
+            ranked += [(int(dm), b, h, s, o) for (h, s), dm, o in
+                       zip(idx.tolist(), demand[hs, ss].tolist(), on[hs, ss].tolist(), strict=True)]
         ranked.sort(key=lambda x: -x[0])
         keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
         fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]

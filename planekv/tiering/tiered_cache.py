@@ -537,6 +537,7 @@ class TieredCache:
         if hot == self.spec.width:
             return 0
         n = 0
+        fill: dict[int, tuple[int, int, int]] = {}  # slot -> page (a later take of the slot replaces it)
         for b, h, s in pages:
             page = int(self.page_table[b, h, s])
             if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
@@ -550,10 +551,13 @@ class TieredCache:
                 break
             if old is not None:
                 evict(layer, int(old))
-            data = self.host.page((self.sequence_ids[b], kind, layer, h), s)
-            promo[slot] = data.to(self.device, non_blocking=True).view(promo.shape[1:])
+            fill[slot] = (b, h, s)
             table[page] = slot
             n += 1
+        if fill:  # the pages gathered on the host, then one copy to the device
+            data = torch.stack([self.host.page((self.sequence_ids[b], kind, layer, h), s) for b, h, s in fill.values()])
+            slots = torch.tensor(list(fill), dtype=torch.long, device=promo.device)
+            promo[slots] = data.to(self.device).view(len(fill), *promo.shape[1:])
         return n
 
     def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
