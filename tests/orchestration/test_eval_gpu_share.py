@@ -5,16 +5,13 @@ here declares one GPU that does not exist: only Ray's bookkeeping is under test,
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("ray")
 
 from planekv.orchestration.eval_workers import _start_actors, stack_gpu_share  # noqa: E402
 from planekv.orchestration.stack import StackError, StackState, up  # noqa: E402
-from planekv.orchestration.worker_host import NAMESPACE  # noqa: E402
+from tests.orchestration.local_ray import local_ray  # noqa: E402
 
 
 class _Setup:
@@ -39,29 +36,8 @@ class _Holder:
 
 @pytest.fixture(scope="module")
 def ray_one_gpu():
-    import ray
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    if ray.is_initialized():
-        ray.shutdown()
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    try:
+    with local_ray(__name__, num_gpus=1) as ray:
         yield ray
-    finally:
-        ray.shutdown()
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def test_what_the_stack_leaves_of_a_gpu() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +26,7 @@ pytest.importorskip("transformers")
 from planekv.orchestration import Cluster, WorkerLost  # noqa: E402
 from planekv.orchestration.worker import PlaneWorker  # noqa: E402
 from planekv.orchestration.worker_host import NAMESPACE  # noqa: E402
+from tests.orchestration.local_ray import local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -84,31 +84,8 @@ def _tokens(results: list[dict]) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray of 2 CPUs for this module (this module's classes and functions pickled by value: the workers
-    cannot import a test module)."""
-    import ray
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    if ray.is_initialized():
-        ray.shutdown()
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    Config.initialize("")  # the auth mode another test's connect() may have set in this process
-    AuthenticationTokenLoader.instance().reset_cache()
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    try:
+    with local_ray(__name__, num_gpus=0) as ray:
         yield ray
-    finally:
-        ray.shutdown()
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _start(ray, name: str, model, calib, gate: Path, max_restarts: int = 0, env: dict | None = None):
