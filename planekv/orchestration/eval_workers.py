@@ -64,6 +64,7 @@ class RayExecutor:
 
         self.unit_timeout_s = unit_timeout_s
         self._connected_here = not ray.is_initialized()
+        gpu_share = 1.0  # an already connected Ray is used as it is: a GPU each
         if self._connected_here:
             gpu_share = _init_ray(workers, address)
         self.actors: list[Any] = []
