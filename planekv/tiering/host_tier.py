@@ -395,9 +395,14 @@ class HostTier:
                 lo, hi = max(first, blk.first_slot), min(first + n, blk.first_slot + blk.n_pages)
                 if lo >= hi:
                     continue
-                if blk.buf is None and not blk.remote_only:  # spilled: the spill tier reads a page at a time
-                    for slot in range(lo, hi):
-                        out[slot - first] = self.page(stream, slot)
+                if blk.buf is None and not blk.remote_only:  # spilled: one run of pages from its file
+                    assert self.spill is not None and blk.key is not None
+                    t0 = time.perf_counter()
+                    self.spill.read_pages(blk.key, lo - blk.first_slot, hi - lo, out=out[lo - first: hi - first])
+                    self.read_s["nvme"] += time.perf_counter() - t0
+                    self.read_bytes["nvme"] += (hi - lo) * st.page_bytes
+                    self._reads += 1
+                    blk.last_read = self._reads
                 else:
                     buf = self._fetch_remote(blk) if blk.remote_only else blk.buf
                     assert buf is not None

@@ -27,6 +27,7 @@ import secrets
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,31 @@ class SpillTier:
             raise BlockCorrupt(f"page {index} of spilled block {key} at {self.path(key)} does not match what was "
                                f"written ({got} of {page_bytes} bytes read)")
         return out
+
+    def read_pages(self, key: BlockKey, first: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pages ``first .. first + n - 1`` of block ``key`` (uint8 [n, page bytes], in ``out`` when given: host
+        memory), each checked against its checksum; the reads are issued before any check (kvikio: one pread a page,
+        all in flight while the first are checked; POSIX: one read of the run), so checking overlaps reading.
+        KeyError if the block is not here, BlockCorrupt naming the first page that does not match."""
+        offset, page_bytes, sums = self._page_sums[key]
+        if n < 1 or first < 0 or first + n > len(sums):
+            raise IndexError(f"block {key} holds {len(sums)} pages, asked for {n} from page {first}")
+        if out is None:
+            out = torch.empty(n, page_bytes, dtype=torch.uint8)
+        if out.dtype != torch.uint8 or out.numel() != n * page_bytes or out.device.type != "cpu":
+            raise ValueError(f"out must be uint8 [{n}, {page_bytes}] in host memory, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        arr = out.numpy().reshape(n, page_bytes)
+        handle = self._acquire(key)
+        try:
+            got = self._io.pread_pages(handle.obj, arr, offset + first * page_bytes,
+                                       lambda i: _page_checksum(arr[i]) == sums[first + i])
+        finally:
+            self._release(handle)
+        if got is not None:
+            raise BlockCorrupt(f"page {first + got} of spilled block {key} at {self.path(key)} does not match what "
+                               "was written")
+        return out.view(n, page_bytes)
 
     def read_frame(self, key: BlockKey) -> bytes:
         """The whole frame of block ``key`` (as written)."""
@@ -262,6 +288,17 @@ class _PosixIO:
             done += n
         return done
 
+    @classmethod
+    def pread_pages(cls, fd: int, pages: np.ndarray, offset: int, check: Callable[[int], bool]) -> int | None:
+        """``pages`` [n, page bytes] from ``offset`` in one read, then ``check`` each; the first page read short or
+        failing its check (None: every page good)."""
+        got = cls.pread(fd, pages.reshape(-1), offset)
+        page_bytes = pages.shape[1]
+        for i in range(pages.shape[0]):
+            if got < (i + 1) * page_bytes or not check(i):
+                return i
+        return None
+
     @staticmethod
     def close(fd: int) -> None:
         os.close(fd)
@@ -280,6 +317,20 @@ class _KvikioIO:
     @staticmethod
     def pread(f: Any, out: np.ndarray, offset: int) -> int:
         return int(f.pread(out, size=out.nbytes, file_offset=offset).get())
+
+    @staticmethod
+    def pread_pages(f: Any, pages: np.ndarray, offset: int, check: Callable[[int], bool]) -> int | None:
+        """One pread a page, all issued before the first is waited for (kvikio reads them in its thread pool), so
+        that checking page i overlaps reading the pages after it; the first page read short or failing its check."""
+        page_bytes = pages.shape[1]
+        futures = [f.pread(pages[i], size=page_bytes, file_offset=offset + i * page_bytes)
+                   for i in range(pages.shape[0])]
+        bad = None
+        for i, fut in enumerate(futures):
+            ok = int(fut.get()) == page_bytes  # every future is waited for: none still writes into ``pages``
+            if bad is None and not (ok and check(i)):
+                bad = i
+        return bad
 
     @staticmethod
     def close(f: Any) -> None:

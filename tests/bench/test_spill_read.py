@@ -14,8 +14,8 @@ from planekv.cli import main
 def test_the_tier_and_the_plain_loop_read_the_same_bytes(tmp_path):
     cfg = SpillConfig(blocks=3, block_bytes=64 << 10, page_bytes=16 << 10, reps=3, backend="posix")
     rows = run_spill(cfg, str(tmp_path / "spill"))
-    assert [(r.mode, r.system) for r in rows] == [("page", "tier"), ("page", "plain"), ("block", "tier"),
-                                                   ("block", "plain")]
+    assert [(r.mode, r.system) for r in rows] == [("page", "tier"), ("page", "plain"), ("run", "tier"),
+                                                   ("run", "plain"), ("block", "tier"), ("block", "plain")]
     for r in rows:
         assert r.backend == "posix" and r.compat_mode is None and r.dest == "host"
         assert r.read_bytes == 3 * (64 << 10) and r.reads == (12 if r.mode == "page" else 3)
@@ -42,7 +42,7 @@ def test_the_command_prints_the_table_and_writes_the_json(tmp_path, capsys):
     assert "| mode | system |" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["meta"]["backend"] == "posix" and doc["meta"]["config"]["blocks"] == 2 and "date" in doc["meta"]
-    assert len(doc["rows"]) == 4 and all(r["read_bytes"] == 2 * (64 << 10) for r in doc["rows"])
+    assert len(doc["rows"]) == 6 and all(r["read_bytes"] == 2 * (64 << 10) for r in doc["rows"])
 
 
 @pytest.mark.parametrize("flags", [["--blocks", "0"], ["--block-mib", "0.0625", "--page-kib", "128"],

@@ -247,3 +247,28 @@ def test_kvikio_compat_mode_is_read_from_either_api() -> None:
     new = types.SimpleNamespace(get=lambda key: {"compat_mode": mode.AUTO}[key], is_compat_mode_preferred=lambda: True)
     assert _compat_mode(new) == "AUTO (POSIX reads: True)"
     assert _compat_mode(types.SimpleNamespace(compat_mode=lambda: False)) == "OFF"
+
+
+def test_a_run_of_pages_reads_as_its_pages_and_names_the_first_bad_one(tmp_path) -> None:
+    """``read_pages`` (one read of the run on POSIX; all preads in flight with kvikio) gives what ``read_page``
+    gives page by page; a corrupt page in the run is named, never returned; the host tier reads a spilled block's
+    pages as one run."""
+    spill = SpillTier(tmp_path, 64 << 20, backend="posix")
+    key, pages = _block(spill, "seq0")
+    run = spill.read_pages(key, 1, 3)
+    assert run.shape == (3, PAGE) and all(torch.equal(run[i], pages[1 + i]) for i in range(3))
+    with pytest.raises(IndexError):
+        spill.read_pages(key, 3, 2)
+    with open(spill.path(key), "r+b") as f:
+        f.seek(HEADER_BYTES + 2 * PAGE + 100)  # inside page 2
+        f.write(bytes([(pages[2][100].item() + 1) % 256]))
+    assert torch.equal(spill.read_pages(key, 0, 2), torch.stack(pages[:2]))
+    with pytest.raises(BlockCorrupt, match="page 2 of spilled block"):
+        spill.read_pages(key, 0, 4)
+    spill.close()
+    spill = SpillTier(tmp_path / "tier", capacity_bytes=64 * BLOCK, backend="posix")
+    tier = HostTier(FORMAT, capacity_bytes=2 * BLOCK, block_bytes=BLOCK, spill=spill)
+    _fill(tier, streams=1, pages=8)  # block 0 spilled while block 1 grew
+    before = tier.read_bytes["nvme"]
+    assert torch.equal(tier.pages(("seq0", "v", 0, 0), 0, 8), torch.stack([_page(0, p) for p in range(8)]))
+    assert tier.read_bytes["nvme"] - before == 4 * PAGE
