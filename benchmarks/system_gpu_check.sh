@@ -49,8 +49,8 @@ for stage in "${stages[@]}"; do
               run "decode-$t" python -m planekv.cli bench tiering --source synthetic --tokens 131072 --steps 6 \
                 --layers 1 --policies flex-r2 --hots 4 --reader triton --tier "$t" --json "$out/decode-$t.json"
             done ;;
-    prefix) run prefix python -m planekv.cli bench prefix --model smollm2 --tokens 32768 --suffix 16 --reps 5 --reader triton \
-              --device cuda --json "$out/prefix-32k.json" ;;
+    prefix) run prefix python -m planekv.cli bench prefix --model smollm2 --tokens 32768 --suffix 16 --reps 5 \
+              --reader triton --device cuda --json "$out/prefix-32k.json" ;;
     *) echo "unknown stage $stage (stack spill decode prefix)"; exit 2 ;;
   esac
 done
