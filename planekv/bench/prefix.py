@@ -10,8 +10,9 @@ position's logits, on the host); median of ``reps`` after one warm-up repetition
 - ``fresh-dense``: the default serving path, ``make_cache(dense_prefill=True)`` and one forward of the whole prompt
   (it attends densely and writes every token's codes);
 - ``fresh-compressed``: ``dense_prefill=False``, the read mode prefix reuse needs (every position reads compressed
-  K/V, written and read token by token in every layer: slow at large N, so skipped above
-  ``max_compressed_tokens``, the reason in the row);
+  K/V: with the reference reader and an untiered cache the prompt is stored whole in each layer and read as causal
+  rows, ``PlaneKVHFCache.row_reads``; with the Triton reader or a tiered cache written and read token by token;
+  slow at large N either way, so skipped above ``max_compressed_tokens``, the reason in the row);
 - ``reuse``: the prefix's pages already in a :class:`~planekv.tiering.PrefixIndex` (built before the timing, not
   timed), then :func:`planekv.models.hf.prefill_with_reuse` of the whole prompt (``publish=False``: the pages are
   there already; publishing the suffix's whole pages comes after the first token). ``load_ms``: loading the pages
@@ -42,7 +43,7 @@ from ..kvstore import Codec, ReadPolicy
 from ..kvstore.reference import ReadKV
 from ..models import hf
 from ..tiering import PrefixIndex
-from ..tiering.prefix import publish_pages
+from ..tiering.prefix import page_nbytes, publish_pages
 from .output import column_table
 
 MODES = ("fresh-dense", "fresh-compressed", "reuse")
@@ -150,8 +151,7 @@ class _Run:
         if cfg.tiered_hot is not None:
             max_tokens = -(-(cfg.prompt_tokens + 1) // spec.page_size) * spec.page_size
             self.tiering = hf.Tiering(hot=cfg.tiered_hot, max_tokens=max_tokens)
-        page_bytes = 2 * spec.n_layers * spec.n_kv_heads * spec.page_size * spec.head_dim
-        self.index_bytes = (cfg.prompt_tokens // spec.page_size + 1) * page_bytes
+        self.index_bytes = (cfg.prompt_tokens // spec.page_size + 1) * page_nbytes(spec)
 
     def cache(self, dense: bool) -> hf.PlaneKVHFCache:
         return hf.make_cache(self.model, self.system, reader=self.reader, tiering=self.tiering,
@@ -258,7 +258,7 @@ def _rows(cfg: PrefixConfig, times: dict[str, list[float]], load: list[float],
     if comp is None:
         rows.append(PrefixRow("fresh-compressed", **base,
                               skipped=f"{cfg.prompt_tokens} prompt tokens > --max-compressed-tokens "
-                                      f"{cfg.max_compressed_tokens} (token by token in every layer: too slow)"))
+                                      f"{cfg.max_compressed_tokens} (every position reads compressed K/V: too slow)"))
     else:
         rows.append(PrefixRow("fresh-compressed", **base, ttft_ms=med["fresh-compressed"], reused=0,
                               run=cfg.prompt_tokens, first_token=comp[1], same_as_dense=comp[1] == dense_tok,

@@ -394,9 +394,17 @@ class PlaneKVHFCache(Cache):
     With ``tiering`` the ReadKV codes live in a :class:`planekv.tiering.TieredCache` and decode steps read what is
     resident (``tier_tally``: caps and prefetch hits; the "triton" reader runs the FMA stages over it); a tiered
     cache cannot reorder, select, repeat or crop its sequences yet (NotImplementedError). With ``dense_prefill``
-    False the first step reads the cache as later ones do (each token written, then read over the tokens up to it),
-    so that every position reads compressed K/V, as a teacher-forced pass does.
+    False the first step reads the cache as later ones do (each token written, then read over the tokens up to it;
+    with ``row_reads`` a step's tokens are written together and read as causal rows), so that every position reads
+    compressed K/V, as a teacher-forced pass does.
     """
+
+    # A step of S > 1 tokens after the dense prefill, or every step with dense_prefill=False (a compressed prefill,
+    # the suffix after a reused prefix), is stored whole and read as S causal rows (reference reader, untiered
+    # cache; :meth:`_read_rows`) when ``row_reads`` is on: the outputs of the token-by-token loop to float32
+    # rounding. Off: token by token, as tiered caches and the Triton reader always are. ``ROW_CHUNK`` rows a read.
+    row_reads: bool = True
+    ROW_CHUNK = 256
 
     def __init__(self, system: KVSystem, n_layers: int, *, reader: str = "reference",
                  device: str | torch.device = "cpu", tiering: Tiering | None = None,
@@ -591,11 +599,51 @@ class PlaneKVHFCache(Cache):
         if not bool(keep.all()):
             raise ValueError("padding after the prompt (a masked token in a step after the prefill) is not "
                              "supported by a PlaneKV cache: pad prompts on the left or right only")
+        if k.shape[2] > 1 and self._reads_rows():
+            self._store(layer, k, v, keep)
+            return self._read_rows(layer, q.float(), scale, window)
         outs = []
         for j in range(k.shape[2]):
             self._store(layer, k[:, :, j:j + 1], v[:, :, j:j + 1], keep[:, j:j + 1])
             outs.append(self._read(layer, q[:, :, j].float(), scale, window))
         return torch.stack(outs, 2)
+
+    def _reads_rows(self) -> bool:
+        """Whether a step of S > 1 tokens is stored whole and read as S causal rows (:meth:`_read_rows`): with
+        ``row_reads`` on, a ReadKV system, the reference reader and an untiered cache; else token by token."""
+        return self.row_reads and self.reader_name == "reference" and isinstance(self.pages, PlaneKVCache)
+
+    def _read_rows(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """The step's S queries q [B, Hq, S, d] (its tokens all stored, none of them padding) read as S causal rows
+        of ``reference.readkv_rows``, ``ROW_CHUNK`` rows at a time: row j reads the stored tokens up to its own
+        (its sliding window), with its own budget and depths, as the token-by-token step reads it. Out
+        [B, Hq, S, d] (float32)."""
+        i, n = layer.layer_idx, q.shape[2]
+        assert isinstance(self.pages, PlaneKVCache)
+        codec: Codec = self.system.codec  # type: ignore[attr-defined]
+        policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
+        w = codec.spec.width
+        first = layer.stored.shape[1] - n  # positions before the step
+        outs = []
+        for b in range(q.shape[0]):
+            t = self.pages.length(i, b)
+            kc, vc = self.pages.read_k(i, b, w), self.pages.read_v(i, b, w)  # [Hkv, T, d]
+            lengths = torch.arange(t - n + 1, t + 1)  # row j reads stored tokens [start_j, lengths[j])
+            starts = None
+            if window is not None:  # stored tokens before row j's window (positions < first + j + 1 - window)
+                cum = torch.cat([torch.zeros(1, dtype=torch.int64), layer.stored[b].long().cumsum(0)])
+                starts = cum[(torch.arange(first + 1, first + n + 1) - window).clamp_min(0)]
+            rows = []
+            for s in range(0, n, self.ROW_CHUNK):
+                e = min(n, s + self.ROW_CHUNK)
+                end = int(lengths[e - 1])
+                out, st = reference.readkv_rows(q[b][:, s:e], kc[:, :end], vc[:, :end], codec, i, policy,
+                                                lengths[s:e], None if starts is None else starts[s:e], scale)
+                st.k_depths = st.v_depths = None  # rows of different T
+                self.tally.add(i, st)
+                rows.append(out)
+            outs.append(torch.cat(rows, 1))
+        return torch.stack(outs)
 
     def _follow_policy(self) -> None:
         """Apply the live policy's new version, if ``tiering.policy_source`` gives one, before this step reads."""
@@ -819,8 +867,8 @@ def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, read
 def prefix_producer(cache: PlaneKVHFCache) -> str:
     """What decides the codes ``cache`` stores for a prompt, beside the format and the tokens (canonical JSON): its
     prefill's read mode, its reader, its read policy (a compressed prefill's later layers see the earlier layers'
-    compressed reads) and its tiering (a tiered read caps at the residency). Part of every page key, so pages made
-    another way never match."""
+    compressed reads), its tiering (a tiered read caps at the residency) and how steps of several tokens are read
+    (``row_reads``). Part of every page key, so pages made another way never match."""
     t = cache.tiering
     tiering = None
     if t is not None:
@@ -828,8 +876,10 @@ def prefix_producer(cache: PlaneKVHFCache) -> str:
         tiering = {"placement": cache._placement.model_dump(mode="json"), "max_tokens": t.max_tokens,
                    "promotion_bytes": t.promotion_bytes, "key_page_bytes": t.key_page_bytes, "prefetch": t.prefetch}
     policy = cache.system.policy.to_dict() if cache.is_readkv else None  # type: ignore[attr-defined]
+    # chunks of S > 1 tokens read as rows or token by token: the same codes to float rounding, still kept apart
+    steps = "rows" if cache.row_reads and cache.reader_name == "reference" and t is None else "tokens"
     return json.dumps({"prefill": "dense" if cache.dense_prefill else "compressed", "reader": cache.reader_name,
-                       "policy": policy, "tiering": tiering}, sort_keys=True, default=str)
+                       "policy": policy, "tiering": tiering, "steps": steps}, sort_keys=True, default=str)
 
 
 def prefix_keys(cache: PlaneKVHFCache, token_ids: torch.Tensor) -> list[bytes]:

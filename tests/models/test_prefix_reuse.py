@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from planekv.kvstore import Codec, ReadPolicy  # noqa: E402
+from planekv.kvstore import CacheFull, Codec, ReadPolicy  # noqa: E402
 from planekv.kvstore.reference import ReadKV, make_system  # noqa: E402
 from planekv.models import hf  # noqa: E402
 from planekv.tiering import PrefixIndex, TieredCache  # noqa: E402
@@ -233,3 +233,68 @@ def test_reuse_is_refused_where_it_cannot_give_the_fresh_outputs(llama, publishe
         hf.reuse_prefix(hf.make_cache(model, make_system("kivi", 4.0, codec), dense_prefill=False), index, ids)
     with pytest.raises(ValueError, match="one prompt"):
         hf.reuse_prefix(hf.make_cache(model, ReadKV(codec, POLICY), dense_prefill=False), index, ids.repeat(2, 1))
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+@pytest.mark.parametrize("policy", [POLICY, ReadPolicy.flexible(2.0, key_refine=0.25)])
+def test_a_chunk_read_as_causal_rows_gives_the_token_by_token_outputs(which, policy, request) -> None:
+    """A compressed prefill (and a later step of several tokens) stored whole and read as causal rows: the logits
+    of the token-by-token loop to float32 rounding (measured: <= 5e-7 on these models), its codes (to a code at a
+    boundary), the same logical read; gemma's sliding-window layer reads its window per row."""
+    model, codec = request.getfixturevalue(which)
+    system = ReadKV(codec, policy)
+    ids = _ids(2 * P + 20)
+    runs = {}
+    for rows in (False, True):
+        cache = hf.make_cache(model, system, dense_prefill=False)
+        cache.row_reads = rows
+        calls = []
+        cache._read = lambda *a, _f=cache._read, _c=calls: _c.append(1) or _f(*a)  # the token-by-token read
+        with torch.no_grad():
+            first = model(ids, past_key_values=cache, use_cache=True).logits
+            chunk = model(ids[:, :5], past_key_values=cache, use_cache=True).logits  # a step of 5 tokens
+            step = model(ids[:, :1], past_key_values=cache, use_cache=True).logits  # a decode step: token by token
+        runs[rows] = (first, chunk, step, cache, len(calls))
+    (a1, a2, a3, ca, na), (b1, b2, b3, cb, nb) = runs[False], runs[True]
+    n_layers = len(ca.layers)
+    assert na == (ids.shape[1] + 6) * n_layers and nb == n_layers  # only the decode step read token by token
+    for x, y in ((a1, b1), (a2, b2), (a3, b3)):
+        torch.testing.assert_close(y, x, atol=2e-6, rtol=0)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+    # layer 0's codes come from the embeddings: bit for bit; a later layer's from hidden states that differ in the
+    # last bits, which can move a value across a code boundary (measured: 1 Key code of 4736 in layer 1, key_refine)
+    n = ids.shape[1] + 6
+    for layer in range(n_layers):
+        (k1, v1), (k2, v2) = _codes(ca.pages, layer), _codes(cb.pages, layer)
+        differ = int((k1[:, :n] != k2[:, :n]).sum() + (v1[:, :n] != v2[:, :n]).sum())
+        assert differ == 0 if layer == 0 else differ <= 2e-3 * (k1.numel() + v1.numel())
+    assert (ca.tally.k_bits, ca.tally.v_bits, ca.tally.rows) == (cb.tally.k_bits, cb.tally.v_bits, cb.tally.rows)
+
+
+def test_reuse_with_row_reads_matches_a_fresh_prefill_and_a_load_that_does_not_fit_loses_nothing(llama) -> None:
+    """The suffix after a loaded prefix runs as rows (one read per layer), and gives the fresh compressed prefill's
+    first token and logits (to float32 rounding); a cache too small for the prefix is left empty, the index
+    keeps the pages, and another cache still reuses them."""
+    model, codec = llama
+    system = ReadKV(codec, POLICY)
+    ids = _ids(2 * P + 12, seed=11)
+    index = PrefixIndex()
+    fresh = hf.make_cache(model, system, dense_prefill=False)
+    logits, n0 = hf.prefill_with_reuse(model, fresh, ids, index)
+    assert n0 == 0 and len(index) == 2
+    small = hf.make_cache(model, system, dense_prefill=False)
+    small._admit(1)
+    small.pages.max_pages = small.pages.n_pages  # a pool of one free page: the prefix's pages do not fit
+    small.pages._free = small.pages._free[-1:]
+    with pytest.raises(CacheFull):
+        hf.reuse_prefix(small, index, ids)
+    assert small.pages.length(0, 0) == 0 and not bool((small.pages.page_table >= 0).any())
+    assert small.get_seq_length() == 0 and len(small.pages._free) == 1  # left empty, its page free
+    assert len(index) == 2 and len(index.match(hf.prefix_keys(fresh, ids[0]), codec.spec.format_id)) == 2
+    second = hf.make_cache(model, system, dense_prefill=False)
+    reads = []
+    second._read_rows = lambda *a, _f=second._read_rows: reads.append(1) or _f(*a)
+    got, n = hf.prefill_with_reuse(model, second, ids, index, publish=False)
+    assert n == 2 * P and len(reads) == len(second.layers)
+    torch.testing.assert_close(got[0, -1], logits[0, -1], atol=1e-5, rtol=0)
+    assert int(got[0, -1].argmax()) == int(logits[0, -1].argmax())

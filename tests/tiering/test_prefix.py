@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from planekv.kvstore import FormatMismatch, PlaneKVCache
+from planekv.kvstore import CacheFull, FormatMismatch, PlaneKVCache
+from planekv.kvstore import planes as planes_mod
 from planekv.tiering import (
     PrefixIndex,
     PrefixPage,
@@ -22,7 +23,16 @@ from planekv.tiering import (
     remote_block_key,
     sealed_pages,
 )
-from planekv.tiering.frame import HEADER_BYTES
+from planekv.tiering.frame import HEADER_BYTES, encode_frame
+from planekv.tiering.prefix import (
+    BLOB_MAGIC,
+    PrefixLayoutError,
+    decode_page_blob,
+    encode_page_blob,
+    pack_pages,
+    page_shapes,
+    unpack_pages,
+)
 from planekv.tiering.replace import stored_codes
 from planekv.tiering.tiered_cache import TieredCache
 
@@ -135,7 +145,7 @@ def test_loading_refuses_another_format_and_a_sequence_in_use() -> None:
     codec, _, _ = _data()
     spec = codec.spec
     k, v = _prefix_codes(spec, 1, seed=3)
-    page = PrefixPage(spec.format_id, k, v)
+    page = PrefixPage.from_codes(spec, k, v)
     other = dataclasses.replace(spec, calibration_id=spec.calibration_id + "-other")
     assert other.format_id != spec.format_id
     with pytest.raises(FormatMismatch):
@@ -175,8 +185,8 @@ def test_another_worker_finds_the_pages_at_the_remote_tier() -> None:
     pages = other.match(keys, spec.format_id)
     assert len(pages) == 2 and other.stats.remote_hits == 2
     want_k, want_v = page_codes(src, 0, 0, 2)
-    assert torch.equal(torch.cat([p.k for p in pages], 2), want_k)
-    assert torch.equal(torch.cat([p.v for p in pages], 2), want_v)
+    assert torch.equal(torch.cat([p.codes(spec)[0] for p in pages], 2), want_k)
+    assert torch.equal(torch.cat([p.codes(spec)[1] for p in pages], 2), want_v)
     assert len(other.match(keys, spec.format_id)) == 2 and other.stats.remote_hits == 2  # kept here since
     dst = TieredCache(spec, 1, _policy(4, 2), max_tokens=512)
     assert load_pages(dst, 0, pages) == 2 * P
@@ -208,3 +218,95 @@ def test_a_corrupt_remote_page_is_a_miss_and_a_failed_write_keeps_the_local_copy
     assert len(writer.match(keys2, src.spec.format_id)) == 2  # served from this process's copy
     with pytest.raises(ValueError, match="spec"):
         PrefixIndex(remote=failing)
+
+
+@pytest.mark.parametrize("v_run", [1, 2])
+def test_a_page_holds_the_pools_planes_and_a_plain_load_is_a_copy(v_run, monkeypatch) -> None:
+    """A published page is the pool's page as it is (packed planes, every layer and KV head); loading it into a
+    PlaneKVCache copies it into pool pages and never packs codes again (the packers raise here)."""
+    codec, _, _ = _data(v_run=v_run)
+    spec = codec.spec
+    k, v = _prefix_codes(spec, 3, seed=5)
+    src = PlaneKVCache(spec, 1)
+    _fill_one(src, k[:, :, : 2 * P + 9], v[:, :, : 2 * P + 9])
+    keys = page_keys(prefix_root(spec.format_id), _tokens(3 * P), P)
+    index = PrefixIndex()
+    assert publish_pages(index, src, 0, keys) == 2
+    pages = index.match(keys, spec.format_id)
+    k_shape, v_shape = page_shapes(spec)
+    for i, page in enumerate(pages):
+        assert tuple(page.k.shape) == k_shape and tuple(page.v.shape) == v_shape
+        slots = src.page_table[0, :, i]
+        assert torch.equal(page.k, src.k_pool[:, slots]) and torch.equal(page.v, src.v_pool[:, slots])
+        want = (k[:, :, i * P: (i + 1) * P], v[:, :, i * P: (i + 1) * P])
+        assert all(torch.equal(a, b) for a, b in zip(page.codes(spec), want, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(pack_pages(spec, *want), (page.k[:, :, None],
+                                                                              page.v[:, :, None]), strict=True))
+    def no_repack(*args, **kwargs):
+        raise AssertionError("a load re-packed codes")
+
+    for name in ("plane_bits", "write_k_planes", "write_v_planes"):
+        monkeypatch.setattr(planes_mod, name, no_repack)
+    dst = PlaneKVCache(spec, 2, initial_pages=1)  # grows as the load needs
+    assert load_pages(dst, 1, pages) == 2 * P
+    monkeypatch.undo()
+    for layer in range(spec.n_layers):
+        assert dst.length(layer, 1) == 2 * P and dst.length(layer, 0) == 0
+        assert torch.equal(dst.read_k(layer, 1, 8), k[layer, :, : 2 * P])
+        assert torch.equal(dst.read_v(layer, 1, 8), v[layer, :, : 2 * P])
+    tail_k, tail_v = _prefix_codes(spec, 1, seed=6)
+    _fill_one(dst, tail_k[:, :, :70], tail_v[:, :, :70], b=1)  # the suffix appends after the loaded pages
+    for layer in range(spec.n_layers):
+        assert torch.equal(dst.read_k(layer, 1, 8), torch.cat([k[layer, :, : 2 * P], tail_k[layer, :, :70]], 1))
+        assert torch.equal(dst.read_v(layer, 1, 5), torch.cat([v[layer, :, : 2 * P], tail_v[layer, :, :70]], 1)
+                           & 0b11111000)
+    # a TieredCache source publishes the same bytes (its codes gathered from the tiers and packed)
+    tiered = TieredCache(spec, 1, _policy(4, 2), max_tokens=512)
+    _fill_one(tiered, k[:, :, : 2 * P], v[:, :, : 2 * P])
+    again = PrefixIndex()
+    assert publish_pages(again, tiered, 0, keys) == 2
+    for key, page in zip(keys, pages, strict=False):
+        assert torch.equal(again.get(key).k, page.k) and torch.equal(again.get(key).v, page.v)
+    codes_k, codes_v = unpack_pages(spec, torch.stack([p.k for p in pages], 2), torch.stack([p.v for p in pages], 2))
+    assert torch.equal(codes_k, k[:, :, : 2 * P]) and torch.equal(codes_v, v[:, :, : 2 * P])
+
+
+def test_a_load_that_does_not_fit_keeps_the_index_and_leaves_the_cache_usable() -> None:
+    codec, _, _ = _data()
+    spec = codec.spec
+    k, v = _prefix_codes(spec, 2, seed=7)
+    index = PrefixIndex()
+    keys = page_keys(prefix_root(spec.format_id), _tokens(2 * P), P)
+    for i in range(2):
+        index.put(keys[i], PrefixPage.from_codes(spec, k[:, :, i * P: (i + 1) * P], v[:, :, i * P: (i + 1) * P]))
+    small = PlaneKVCache(spec, 1, max_pages=spec.n_kv_heads, initial_pages=1)  # one page per KV head
+    with pytest.raises(CacheFull):
+        load_pages(small, 0, index.match(keys, spec.format_id))
+    small.free(0)
+    assert len(index) == 2 and len(index.match(keys, spec.format_id)) == 2  # nothing stored is lost
+    assert load_pages(small, 0, index.match(keys, spec.format_id)[:1]) == P
+    assert torch.equal(small.read_k(0, 0, 8), k[0, :, :P])
+
+
+def test_a_page_of_another_layout_is_refused() -> None:
+    codec, _, _ = _data()
+    spec = codec.spec
+    k, v = _prefix_codes(spec, 1, seed=8)
+    with pytest.raises(ValueError, match="pool's page layout"):  # codes where planes belong
+        load_pages(PlaneKVCache(spec, 1), 0, [PrefixPage(spec.format_id, k, v)])
+    page = PrefixPage.from_codes(spec, k, v)
+    k_shape, _ = page_shapes(spec)
+    assert torch.equal(decode_page_blob(encode_page_blob(page.k), k_shape), page.k)
+    # a blob an older PlaneKV wrote (layout version 1: the bare codes, of the same size when W = 8)
+    with pytest.raises(PrefixLayoutError, match="layout version"):
+        decode_page_blob(k.numpy().tobytes(), k_shape)
+    with pytest.raises(PrefixLayoutError, match="layout version 3"):
+        decode_page_blob(BLOB_MAGIC + bytes([3]) + page.k.numpy().tobytes(), k_shape)
+    # at the remote tier, such a blob is a miss (counted), never misread
+    remote = FakeRemote()
+    key = page_keys(prefix_root(spec.format_id), _tokens(P), P)[0]
+    for kind, codes in (("k", k), ("v", v)):
+        bk = remote_block_key(spec.format_id, key, kind)
+        remote.frames[bk] = encode_frame(bk, codes.contiguous().numpy().tobytes())
+    reader = PrefixIndex(remote=remote, spec=spec)
+    assert reader.match([key], spec.format_id) == [] and reader.stats.remote_rejected == 1
