@@ -356,7 +356,9 @@ PolicySource = Callable[[], "tuple[int, PlacementPolicy] | None"]
 class Tiering:
     """A tiered cache for a :class:`PlaneKVHFCache` (docs/TIERING.md): ``hot`` planes of every page on the model's
     device (K and V alike), sealed pages' refinement planes in host memory, a promotion cache of
-    ``promotion_bytes`` filled by prefetch after every decode step; sequences of at most ``max_tokens``. With
+    ``promotion_bytes`` filled by prefetch after every decode step and, with ``prefetch_after_prefill``, after a
+    dense prefill from its last position's query (so that the first decode step finds what that query asks for
+    past the hot planes: it has no step before it to prefetch from); sequences of at most ``max_tokens``. With
     ``policy_source`` the cache follows a live placement policy: asked before every decode step, a new version is
     applied before the step reads (``planekv.tiering.replace_placement``: every stored code moves into a cache under
     the new policy); one that cannot be applied is logged and counted (``policy_refusals``) and the old placement
@@ -368,6 +370,7 @@ class Tiering:
     max_tokens: int
     promotion_bytes: int = 64 << 20
     prefetch: bool = True
+    prefetch_after_prefill: bool = True
     placement: PlacementPolicy | None = None  # a whole policy (per-layer hot planes); overrides ``hot``
     key_page_bytes: int = 0
     host_bytes: int | None = None  # None: the TieredCache's default
@@ -593,6 +596,7 @@ class PlaneKVHFCache(Cache):
         keep = _unpadded(mask, k.shape[0], k.shape[2])  # [B, S]
         if past == 0 and self.dense_prefill:
             self._store(layer, k, v, keep)
+            self._prefetch_after_prefill(layer, q[:, :, -1].float(), scale, window)
             return None
         if layer_idx == 0 and past > 0:  # between decode steps: every layer holds the same tokens
             self._follow_policy()
@@ -607,6 +611,21 @@ class PlaneKVHFCache(Cache):
             self._store(layer, k[:, :, j:j + 1], v[:, :, j:j + 1], keep[:, j:j + 1])
             outs.append(self._read(layer, q[:, :, j].float(), scale, window))
         return torch.stack(outs, 2)
+
+    def _prefetch_after_prefill(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float,
+                                window: int | None) -> None:
+        """After a dense prefill of a tiered cache: a read of the prompt's last queries q [B, Hq, d] (not counted:
+        the prefill attended densely) whose prefetch promotes what they ask for past the hot planes, as a decode
+        step's would for the next one. Nothing without prefetch, ``prefetch_after_prefill`` or for a sliding-window
+        layer (not read from a tiered cache)."""
+        t = self.tiering
+        if (t is None or not t.prefetch_after_prefill or self._prefetcher is None or window is not None
+                or not isinstance(self.pages, TieredCache)):
+            return
+        codec: Codec = self.system.codec  # type: ignore[attr-defined]
+        policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
+        tiered_decode_step(q, self.pages, layer.layer_idx, codec, policy, self._prefetcher, None, scale,
+                           self._tiered_read)
 
     def _reads_rows(self) -> bool:
         """Whether a step of S > 1 tokens is stored whole and read as S causal rows (:meth:`_read_rows`): with
