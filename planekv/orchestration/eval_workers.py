@@ -186,6 +186,26 @@ def stack_gpu_share(worker_share: float) -> float:
     return round(max(0.0, 1.0 - worker_share), 6)
 
 
+def worker_request(workers: int, gpu_share: float | None, have: float, free: float) -> float:
+    """What each of ``workers`` evaluation workers asks for of the resource it runs on: ``gpu_share`` of a GPU (a
+    whole one for 0), or one CPU (``gpu_share`` None); ``have`` / ``free``: the cluster's total and free amount of
+    it. Refuses what can never fit, and a stack whose PlaneWorkers hold their GPUs whole (``gpu_share`` 0) with too
+    few free; warns where the workers will wait."""
+    need = "CPU" if gpu_share is None else "GPU"
+    per_worker = 1.0 if gpu_share is None else (gpu_share or 1.0)
+    if workers > int(have // per_worker):
+        raise ValueError(f"--workers {workers} needs {workers * per_worker:g} {need}s ({per_worker:g} per worker); "
+                         f"the cluster has {have:g}")
+    if gpu_share == 0 and free < workers:
+        raise ValueError(f"the stack's PlaneWorkers hold its GPUs whole ({free:g} free): start it with "
+                         "`planekv up --worker-gpu-share 0.5` to leave room for evaluation workers, or run the "
+                         "evaluation without --address stack")
+    if workers * per_worker > free:
+        log.warning("%g of the cluster's %ss are free now; the evaluation workers wait for %g (at most %.0f s)",
+                    free, need, workers * per_worker, START_TIMEOUT_S)
+    return per_worker
+
+
 def _start_actors(recipe: SetupRecipe, workers: int, gpu_share: float = 1.0) -> list[Any]:
     """``workers`` EvalWorkers, each on ``gpu_share`` of a GPU when the cluster has GPUs (and --device is not cpu),
     else on a CPU; all ready, or raises. ``gpu_share`` 0 (a stack whose workers hold their GPUs whole): a whole GPU
@@ -195,19 +215,8 @@ def _start_actors(recipe: SetupRecipe, workers: int, gpu_share: float = 1.0) -> 
 
     use_gpus = recipe.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
     need = "GPU" if use_gpus else "CPU"
-    per_worker = (gpu_share or 1.0) if use_gpus else 1.0
-    have, free = ray.cluster_resources().get(need, 0), ray.available_resources().get(need, 0)
-    slots_have = int(have // per_worker) if use_gpus else int(have)
-    if workers > slots_have:
-        raise ValueError(f"--workers {workers} needs {workers * per_worker:g} {need}s ({per_worker:g} per worker); "
-                         f"the cluster has {have:g}")
-    if use_gpus and gpu_share == 0 and free < workers:
-        raise ValueError(f"the stack's PlaneWorkers hold its GPUs whole ({free:g} free): start it with "
-                         "`planekv up --worker-gpu-share 0.5` to leave room for evaluation workers, or run the "
-                         "evaluation without --address stack")
-    if workers * per_worker > free:
-        log.warning("%g of the cluster's %ss are free now; the evaluation workers wait for %g (at most %.0f s)",
-                    free, need, workers * per_worker, START_TIMEOUT_S)
+    per_worker = worker_request(workers, gpu_share if use_gpus else None, ray.cluster_resources().get(need, 0),
+                                ray.available_resources().get(need, 0))
     cls = ray.remote(EvalWorker).options(num_cpus=1, num_gpus=per_worker if use_gpus else 0,
                                          max_restarts=ACTOR_MAX_RESTARTS, max_task_retries=0)
     actors = [cls.remote(recipe) for _ in range(workers)]
