@@ -3,7 +3,8 @@
 #
 # The GPU machine has no network and each call carries at most ~60 MiB, so the payload is cut into parts
 # .carry/p1 ... .carry/p4 (each <= 55 MiB; wheels over 50 MB are split into pieces in different parts) and
-# listed in .carry/MANIFEST.txt ("kind sha256 name path...", paths relative to .carry/). Carry one part per
+# listed in .carry/MANIFEST.txt ("kind sha256 name path...", paths relative to .carry/); built on the CPU machine
+# by `python3 benchmarks/tools/make_device_payload.py` (downloads from PyPI, Debian's redis-server). Carry one part per
 # call (plus .carry/MANIFEST.txt); parts carried earlier stay on a warm machine. Then, from the repo root:
 #
 #   eval "$(bash benchmarks/device_payload.sh)"
