@@ -630,7 +630,7 @@ class PlaneKVHFCache(Cache):
     def _reads_rows(self) -> bool:
         """Whether a step of S > 1 tokens is stored whole and read as S causal rows (:meth:`_read_rows`): with
         ``row_reads`` on, a ReadKV system, the reference reader and an untiered cache; else token by token."""
-        return self.row_reads and self.reader_name == "reference" and isinstance(self.pages, PlaneKVCache)
+        return _row_read_mode(self) and isinstance(self.pages, PlaneKVCache)
 
     def _read_rows(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """The step's S queries q [B, Hq, S, d] (its tokens all stored, none of them padding) read as S causal rows
@@ -883,6 +883,12 @@ def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, read
 # ---------------------------------------------------------------------------------------------
 
 
+def _row_read_mode(cache: PlaneKVHFCache) -> bool:
+    """Whether ``cache``'s settings read a step of several tokens as causal rows (``row_reads``, the reference
+    reader, no tiering): known before its first step, so page keys can carry it."""
+    return cache.row_reads and cache.reader_name == "reference" and cache.tiering is None
+
+
 def prefix_producer(cache: PlaneKVHFCache) -> str:
     """What decides the codes ``cache`` stores for a prompt, beside the format and the tokens (canonical JSON): its
     prefill's read mode, its reader, its read policy (a compressed prefill's later layers see the earlier layers'
@@ -896,7 +902,7 @@ def prefix_producer(cache: PlaneKVHFCache) -> str:
                    "promotion_bytes": t.promotion_bytes, "key_page_bytes": t.key_page_bytes, "prefetch": t.prefetch}
     policy = cache.system.policy.to_dict() if cache.is_readkv else None  # type: ignore[attr-defined]
     # chunks of S > 1 tokens read as rows or token by token: the same codes to float rounding, still kept apart
-    steps = "rows" if cache.row_reads and cache.reader_name == "reference" and t is None else "tokens"
+    steps = "rows" if _row_read_mode(cache) else "tokens"
     return json.dumps({"prefill": "dense" if cache.dense_prefill else "compressed", "reader": cache.reader_name,
                        "policy": policy, "tiering": tiering, "steps": steps}, sort_keys=True, default=str)
 

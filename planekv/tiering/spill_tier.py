@@ -134,15 +134,7 @@ class SpillTier:
         if out.dtype != torch.uint8 or out.numel() != page_bytes or out.device.type != "cpu":
             raise ValueError(f"out must be uint8 [{page_bytes}] in host memory, got {out.dtype} "
                              f"{tuple(out.shape)} on {out.device}")
-        arr = out.numpy()  # one view for the read and the check
-        handle = self._acquire(key)
-        try:
-            got = self._io.pread(handle.obj, arr, offset + index * page_bytes)
-        finally:
-            self._release(handle)
-        if got != page_bytes or _page_checksum(arr) != sums[index]:
-            raise BlockCorrupt(f"page {index} of spilled block {key} at {self.path(key)} does not match what was "
-                               f"written ({got} of {page_bytes} bytes read)")
+        self.read_pages(key, index, 1, out)  # a run of one page: the same read and check
         return out
 
     def read_pages(self, key: BlockKey, first: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -313,10 +305,6 @@ class _KvikioIO:
 
     def open(self, path: Path) -> Any:
         return self.kvikio.CuFile(path, "r")
-
-    @staticmethod
-    def pread(f: Any, out: np.ndarray, offset: int) -> int:
-        return int(f.pread(out, size=out.nbytes, file_offset=offset).get())
 
     @staticmethod
     def pread_pages(f: Any, pages: np.ndarray, offset: int, check: Callable[[int], bool]) -> int | None:
