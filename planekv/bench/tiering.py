@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
@@ -169,6 +170,7 @@ class TierRow:
     x_sdpa: float | None = None
     x_all_gpu: float | None = None  # against readkv-<policy> with the same stages
     fetch_ms: float | None = None  # H2D copy of one step's fetched bytes (its own stream)
+    prefetch_ms: float | None = None  # host wall time of one layer-step's prefetch (plan + promotions), not in step
     gpu_gib: float | None = None  # device bytes at the row's batch and length (a model of `layers` layers)
     x_four_bit: float | None = None  # gpu bytes / a 4-bit cache of the same tokens
     host_gib: float | None = None
@@ -346,11 +348,11 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
     tally = StepTally()
     num = den = 0.0
     host = cache.host
-    step_s, base_bytes, base_s = 0.0, dict(host.read_bytes), dict(host.read_s)
+    step_s, prefetch_s, base_bytes, base_s = 0.0, 0.0, dict(host.read_bytes), dict(host.read_s)
     for s in range(data.layers[0].q.shape[1]):
         if s == warmup:
             tally.restart()  # count from here (the promotion cache has been filled)
-            step_s, read_s, base_bytes, base_s = 0.0, 0.0, dict(host.read_bytes), dict(host.read_s)
+            step_s, prefetch_s, read_s, base_bytes, base_s = 0.0, 0.0, 0.0, dict(host.read_bytes), dict(host.read_s)
         for li in data.layers:
             kc, vc = enc[li.layer]
             t, have = int(li.lengths[s]), cache.length(li.layer, 0)
@@ -359,10 +361,9 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
             cache.append(li.layer, kc[:, have:t], vc[:, have:t], seq=0)  # the step's own token (if new)
             q = li.q[:, s][None].float().to(dev)  # [1, Hq, d]
             t0 = time.perf_counter()
-            out, _ = tiered_decode_step(q, cache, li.layer, codec, policy, pf, tally, li.scale, read)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            out, took = _step_then_prefetch(q, cache, li.layer, codec, policy, pf, tally, li.scale, read)
             step_s += time.perf_counter() - t0
+            prefetch_s += took
             if s >= warmup:
                 exact = attention(li.q[:, s: s + 1], li.k[:, :t], li.v[:, :t], torch.tensor([t]), scale=li.scale)
                 num += float((out[0].cpu() - exact[:, 0]).pow(2).sum())
@@ -375,12 +376,13 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
     layers_steps = max(1, sm["steps"])
     got = {k: host.read_bytes[k] - base_bytes[k] for k in host.read_bytes}
     took = {k: host.read_s[k] - base_s[k] for k in host.read_s}
-    # memory pages are views: their fetch time is the prefetch's (the step less its read) less the lower tiers'
-    took["host"] = max(0.0, step_s - read_s - took["nvme"] - took["remote"])
+    # memory pages are views: their fetch time is the prefetch's less the lower tiers'
+    took["host"] = max(0.0, prefetch_s - took["nvme"] - took["remote"])
     tb = cache.bytes()
     return TierRow(
         source=data.source, system=f"tiered-h{hot}-{name}", reader=used, cap_rate=sm["cap_rate"],
-        tier=tier.tier, step_ms=1e3 * step_s / layers_steps, host_mib=tb.host / MiB, nvme_mib=tb.nvme / MiB,
+        tier=tier.tier, step_ms=1e3 * step_s / layers_steps, prefetch_ms=1e3 * prefetch_s / layers_steps,
+        host_mib=tb.host / MiB, nvme_mib=tb.nvme / MiB,
         remote_mib=tb.remote / MiB,
         fetch_mib_s=got[tier.tier] / MiB / took[tier.tier] if got[tier.tier] and took[tier.tier] > 0 else None,
         hit_rate=sm["hit_rate"], kr_hit_rate=sm["kr_hit_rate"] if policy.key_refine else None,
@@ -506,12 +508,14 @@ def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: 
     plan = reader.plan(b, t, s.q.device)
     gen = torch.Generator(device=s.q.device).manual_seed(seed + 17)
     pf, tally = Prefetcher(k_margin=k_margin), StepTally()
+    prefetch_s = []  # host wall time of each step's prefetch (plan and promotion copies, synchronized)
     for i in range(warm + 1):  # drifting queries fill the promotion cache; the last step is the one counted
         if i == warm:
             tally.restart()
         q = s.q.float() + 0.1 * s.q.float().std() * torch.randn(s.q.shape, device=s.q.device, generator=gen)
-        tiered_decode_step(q, cache, 0, codec, policy, pf, tally,
-                           read=lambda qq, c, layer, scale: reader.decode_tiered(qq, c, layer, scale, plan))
+        _, took = _step_then_prefetch(q, cache, 0, codec, policy, pf, tally, None,
+                                      lambda qq, c, layer, scale: reader.decode_tiered(qq, c, layer, scale, plan))
+        prefetch_s.append(took)
     pools = cache.pools(0)
     pt = cache.page_table.to(device=s.q.device, dtype=torch.int32).contiguous()
     lengths = cache.lengths[0].to(device=s.q.device, dtype=torch.int32)
@@ -524,8 +528,28 @@ def _time_tiered(source: str, s: StepData, codec: Any, policy: ReadPolicy, hot: 
     return TierRow(source, f"tiered-h{hot}-{pname}", "triton", ms, cap_rate=sm["cap_rate"],
                    hit_rate=sm["hit_rate"], fetched_per_step=float(sm["fetched"]),
                    fetched_mib_per_step=fetched / MiB, fetch_ms=_time_h2d(int(fetched), s.q.device, reps),
+                   prefetch_ms=1e3 * statistics.median(prefetch_s[1:] or prefetch_s),
                    host_gib=cache.bytes().host / GiB, promoted_mib=cache.promoted_bytes() / MiB,
-                   extra={"warm_steps": warm, "tally": sm, "k_margin": k_margin, "key_page_mib": key_page_mib})
+                   extra={"warm_steps": warm, "tally": sm, "k_margin": k_margin, "key_page_mib": key_page_mib,
+                          "prefetch_ms_note": "host wall time of one layer-step's prefetch after the first warm "
+                                              "step (median; not in step_ms)"})
+
+
+def _step_then_prefetch(q: torch.Tensor, cache: TieredCache, layer: int, codec: Any, policy: ReadPolicy,
+                        pf: Prefetcher | None, tally: StepTally, scale: float | None,
+                        read: Callable[..., Any] | None) -> tuple[torch.Tensor, float]:
+    """``tiered_decode_step`` with its prefetch timed apart: (out, seconds of host wall time the prefetch took,
+    synchronized before and after; 0 without a prefetcher)."""
+    deadline = None if policy.deadline_ms is None else time.monotonic() + policy.deadline_ms / 1e3
+    residency = cache.residency(layer)
+    out, stats = tiered_decode_step(q, cache, layer, codec, policy, None, tally, scale, read)
+    if pf is None:
+        return out, 0.0
+    sync(cache.device)
+    t0 = time.perf_counter()
+    tally.fetched_for_next(layer, pf.run(cache, layer, stats, residency, deadline=deadline))
+    sync(cache.device)
+    return out, time.perf_counter() - t0
 
 
 def _time_h2d(nbytes: int, dev: torch.device, reps: int) -> float | None:
@@ -562,8 +586,8 @@ def _time_offload(s: StepData, codec: Any, policy: ReadPolicy, hot: int, reps: i
 
 # ---- output ----
 
-COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "gpu_gib", "gpu_mib",
-           "x_four_bit",
+COLUMNS = ("source", "system", "reader", "tier", "step_ms", "x_sdpa", "x_all_gpu", "fetch_ms", "prefetch_ms", "gpu_gib",
+           "gpu_mib", "x_four_bit",
            "promoted_mib", "max_batch", "cap_rate", "hit_rate", "kr_hit_rate", "fetched_per_step",
            "fetched_mib_per_step",
            "used_share", "rel_err", "rel_err_all_gpu", "host_mib", "nvme_mib", "remote_mib", "fetch_mib_s")

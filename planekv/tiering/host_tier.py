@@ -379,17 +379,26 @@ class HostTier:
                         return blk.buf[off: off + st.page_bytes]
         raise KeyError(f"the host tier holds no page {slot} of {stream}")
 
-    def pages(self, stream: StreamKey, first: int, n: int) -> torch.Tensor:
+    def pages(self, stream: StreamKey, first: int, n: int, rows: torch.Tensor | None = None,
+              row_bytes: int | None = None) -> torch.Tensor:
         """The bytes of pages ``first .. first + n - 1`` of ``stream`` (uint8 [n, page bytes], a copy), a block at a
         time where :meth:`page` goes a page at a time (a Key channel-plane needs every page of its head); the same
-        counts and errors as :meth:`page` (KeyError for a page not held)."""
+        counts and errors as :meth:`page` (KeyError for a page not held). With ``rows`` [r] (int64) and
+        ``row_bytes``: only those rows of each page, a page seen as [page bytes / row_bytes, row_bytes] (uint8 [n,
+        r, row_bytes]; in memory only they are copied: a few Key channel-planes of a head's pages)."""
         if n < 1:
             raise ValueError(f"pages: n must be >= 1, got {n}")
         with self._lock:
             st = self._streams.get(stream)
             if st is None:
                 raise KeyError(f"the host tier holds no page {first} of {stream}")
-            out = torch.empty(n, st.page_bytes, dtype=torch.uint8)
+            if rows is None:
+                out = torch.empty(n, st.page_bytes, dtype=torch.uint8)
+            else:
+                if row_bytes is None or row_bytes < 1 or st.page_bytes % row_bytes:
+                    raise ValueError(f"pages: row_bytes must divide the page's {st.page_bytes} bytes, got {row_bytes}")
+                rows = rows.to(torch.int64)
+                out = torch.empty(n, rows.numel(), row_bytes, dtype=torch.uint8)
             done = 0
             for blk in st.blocks:
                 lo, hi = max(first, blk.first_slot), min(first + n, blk.first_slot + blk.n_pages)
@@ -398,7 +407,11 @@ class HostTier:
                 if blk.buf is None and not blk.remote_only:  # spilled: one run of pages from its file
                     assert self.spill is not None and blk.key is not None
                     t0 = time.perf_counter()
-                    self.spill.read_pages(blk.key, lo - blk.first_slot, hi - lo, out=out[lo - first: hi - first])
+                    if rows is None:
+                        self.spill.read_pages(blk.key, lo - blk.first_slot, hi - lo, out=out[lo - first: hi - first])
+                    else:
+                        run = self.spill.read_pages(blk.key, lo - blk.first_slot, hi - lo)
+                        out[lo - first: hi - first] = run.view(hi - lo, -1, row_bytes)[:, rows]
                     self.read_s["nvme"] += time.perf_counter() - t0
                     self.read_bytes["nvme"] += (hi - lo) * st.page_bytes
                     self._reads += 1
@@ -407,11 +420,14 @@ class HostTier:
                     buf = self._fetch_remote(blk) if blk.remote_only else blk.buf
                     assert buf is not None
                     off = HEADER_BYTES + (lo - blk.first_slot) * st.page_bytes
-                    out[lo - first: hi - first] = buf[off: off + (hi - lo) * st.page_bytes].view(hi - lo, -1)
+                    run = buf[off: off + (hi - lo) * st.page_bytes]
+                    out[lo - first: hi - first] = run.view(hi - lo, -1) if rows is None else \
+                        run.view(hi - lo, -1, row_bytes)[:, rows]
                     self._reads += 1
                     blk.last_read = self._reads
-                    if not blk.remote_only:
-                        self.read_bytes["host"] += (hi - lo) * st.page_bytes
+                    if not blk.remote_only:  # the bytes copied out of host memory
+                        self.read_bytes["host"] += (hi - lo) * (st.page_bytes if rows is None else
+                                                                 rows.numel() * row_bytes)
                 done += hi - lo
             if done != n:
                 raise KeyError(f"the host tier holds {done} of pages {first}..{first + n - 1} of {stream}")

@@ -26,6 +26,7 @@ plan (``PrefetchPlan.missed``), so the next step reads it at the resident depth,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,27 +47,52 @@ class PromotionTarget(Protocol):
 
     def promotion_slots(self, layer: int) -> tuple[int, int]: ...
 
-    def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int: ...
+    def promote_keys(self, layer: int, planes: torch.Tensor) -> int: ...
 
-    def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int: ...
+    def promote_values(self, layer: int, pages: torch.Tensor) -> int: ...
 
     def key_page_slots(self, layer: int) -> int: ...
 
-    def promote_key_pages(self, layer: int, pages: list[tuple[int, int, int]]) -> int: ...
+    def promote_key_pages(self, layer: int, pages: torch.Tensor) -> int: ...
+
+
+def _none(width: int) -> torch.Tensor:
+    return torch.zeros(0, width, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
 class PrefetchPlan:
-    """Items to keep (already resident) and to bring, in order: Key channel-planes (b, h, c, j), Value pages
-    (b, h, page slot), Key pages (b, h, page slot)."""
+    """Items to keep (already resident) and to bring, in order, as int64 CPU tensors: Key channel-planes [n, 4]
+    (b, h, c, j), Value pages [n, 3] (b, h, page slot), Key pages [n, 3] (b, h, page slot)."""
 
-    k_keep: list[tuple[int, int, int, int]]
-    k_fetch: list[tuple[int, int, int, int]]
-    v_keep: list[tuple[int, int, int]]
-    v_fetch: list[tuple[int, int, int]]
-    kp_keep: list[tuple[int, int, int]] = field(default_factory=list)
-    kp_fetch: list[tuple[int, int, int]] = field(default_factory=list)
+    k_keep: torch.Tensor
+    k_fetch: torch.Tensor
+    v_keep: torch.Tensor
+    v_fetch: torch.Tensor
+    kp_keep: torch.Tensor = field(default_factory=lambda: _none(3))
+    kp_fetch: torch.Tensor = field(default_factory=lambda: _none(3))
     missed: int = 0  # items left out: their remote pages did not arrive by the deadline
+
+    @property
+    def n_fetch(self) -> int:
+        return self.k_fetch.shape[0] + self.v_fetch.shape[0] + self.kp_fetch.shape[0]
+
+
+def _channel_planes(rank: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, resident: torch.Tensor, hot: int,
+                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel-planes [lo, hi) of every channel asking for some (lo < hi; all [B, Hkv, d]), channels ranked by
+    ``rank`` (the highest first, ties in (b, h, c) order), planes in order within a channel; split into resident
+    (j below the channel's ``resident`` depth) and missing. Returns (resident, missing), [n, 4] (b, h, c, j)."""
+    idx = (hi > lo).nonzero()  # [n, 3] row-major
+    b, h, c = idx.unbind(1)
+    order = torch.sort(-rank[b, h, c], stable=True).indices
+    idx = idx[order]
+    b, h, c = idx.unbind(1)
+    j = torch.arange(hot, width, dtype=torch.int64)  # [J] every refinement plane
+    asked = (j >= lo[b, h, c][:, None]) & (j < hi[b, h, c][:, None])  # [n, J]
+    on = j < resident[b, h, c][:, None]  # [n, J]
+    grid = torch.cat([idx[:, None, :].expand(-1, j.numel(), 3), j[None, :, None].expand(idx.shape[0], -1, 1)], 2)
+    return grid[asked & on], grid[asked & ~on]
 
 
 @dataclass(frozen=True)
@@ -102,86 +128,60 @@ class Prefetcher:
         if "k_wanted" not in stats.extra:
             raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
         k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots, k_pinned, width)
-        v_keep, v_fetch = self._values(stats.extra["v_wanted"], residency, hot_v, page_size, v_slots)
-        kp_keep: list[tuple[int, int, int]] = []
-        kp_fetch: list[tuple[int, int, int]] = []
+        v_keep, v_fetch = self._pages(stats.extra["v_wanted"], residency.v_page_depth, hot_v, page_size, v_slots,
+                                      self.v_pages_per_step, lambda w: (w - hot_v).clamp_min(0))
+        kp_keep, kp_fetch = _none(3), _none(3)
         if "kr_wanted" in stats.extra and residency.k_page_depth is not None:
-            kp_keep, kp_fetch = self._key_pages(stats.extra["kr_wanted"], residency.k_page_depth, hot_k, page_size,
-                                                kp_slots)
+            kp_keep, kp_fetch = self._pages(stats.extra["kr_wanted"], residency.k_page_depth, hot_k, page_size,
+                                            kp_slots, self.k_pages_per_step, lambda w: w.long())
         return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch, kp_keep, kp_fetch)
 
     def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int, slots: int,
-              pinned: torch.Tensor | None = None, width: int = 8) -> tuple[list[tuple[int, int, int, int]],
-                                                                          list[tuple[int, int, int, int]]]:
+              pinned: torch.Tensor | None = None, width: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """wanted, resident [B, Hkv, d]: channel-planes [hot, wanted) per channel (from the pinned depth where one
         is given, [B, Hkv, d]: those below it are never evicted), deepest wants first; then the margin planes
         [wanted, wanted + k_margin) of every channel that reaches past the hot ones, deepest channels first. Kept
         items are ordered least wanted first (margin planes before wanted ones) so that the most wanted are the most
-        recently used; margin planes are brought only into room the wanted ones leave."""
-        start = torch.full_like(wanted, hot) if pinned is None else pinned.to(wanted).clamp_min(hot)
+        recently used; margin planes are brought only into room the wanted ones leave. Returns (keep, fetch),
+        [n, 4] (b, h, c, j)."""
+        wanted, resident = wanted.cpu().long(), resident.cpu().long()
+        start = torch.full_like(wanted, hot) if pinned is None else pinned.cpu().long().clamp_min(hot)
         reach = (wanted + self.k_margin).clamp_max(width)  # [B, Hkv, d] the depth asked for, margin included
         deficit = (wanted - start).clamp_min(0)  # [B, Hkv, d] planes asked for past the hot (and pinned) ones
-        margin = (reach - torch.maximum(wanted, start)).clamp_min(0)  # [B, Hkv, d] margin planes past those
-        keep, fetch, m_keep, m_fetch = [], [], [], []
-        # the channels asked past the hot planes [n, 3], and their values gathered once as lists (indexing a tensor
-        # per item costs microseconds each: thousands of channels at B = 32)
-        idx = deficit.nonzero()
-        cols = [t[idx[:, 0], idx[:, 1], idx[:, 2]].tolist() for t in (deficit, resident, start, wanted)]
-        chans = sorted(zip(idx.tolist(), *cols, strict=True), key=lambda x: -x[1])
-        for (b, h, c), _, r, lo, hi in chans:
-            for j in range(lo, hi):
-                (keep if j < r else fetch).append((b, h, c, j))
-        idx = margin.nonzero()
-        cols = [t[idx[:, 0], idx[:, 1], idx[:, 2]].tolist() for t in (wanted, resident, start, reach)]
-        m_chans = sorted(zip(idx.tolist(), *cols, strict=True), key=lambda x: -x[1])
-        for (b, h, c), want, r, st, hi in m_chans:
-            for j in range(max(want, st), hi):
-                (m_keep if j < r else m_fetch).append((b, h, c, j))
-        fetch = fetch[: self._room(len(keep), slots, self.k_planes_per_step)]
-        limit = None if self.k_planes_per_step is None else self.k_planes_per_step - len(fetch)
-        m_fetch = m_fetch[: self._room(len(keep) + len(fetch) + len(m_keep), slots, limit)]
-        return m_keep[::-1] + keep[::-1], fetch + m_fetch
+        # the margin planes: [max(wanted, start), reach) of every channel, ranked by its wanted depth
+        keep, fetch = _channel_planes(deficit, start, wanted, resident, hot, width)
+        m_keep, m_fetch = _channel_planes(wanted, torch.maximum(wanted, start), reach, resident, hot, width)
+        fetch = fetch[: self._room(keep.shape[0], slots, self.k_planes_per_step)]
+        limit = None if self.k_planes_per_step is None else self.k_planes_per_step - fetch.shape[0]
+        m_fetch = m_fetch[: self._room(keep.shape[0] + fetch.shape[0] + m_keep.shape[0], slots, limit)]
+        return torch.cat([m_keep.flip(0), keep.flip(0)]), torch.cat([fetch, m_fetch])
 
-    def _values(self, wanted: list[torch.Tensor], residency: Residency, hot: int, page_size: int,
-                slots: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """wanted: per sequence [Hkv, T]; pages ranked by the planes their tokens asked for past ``hot``."""
-        ranked: list[tuple[float, int, int, int, bool]] = []
+    def _pages(self, wanted: list[torch.Tensor], page_depth: torch.Tensor, hot: int, page_size: int, slots: int,
+               limit: int | None, demand_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """wanted: per sequence [Hkv, T] (Values: the depth each token asked for; Key pages: the tokens Key
+        refinement chose), page_depth [B, Hkv, slots]: sealed pages ranked by ``demand_of(wanted)`` summed over
+        their tokens (Values: the planes asked for past ``hot``; Key pages: the chosen tokens), the most demanded
+        first. Returns (keep, fetch), [n, 3] (b, h, page slot): keep least demanded first."""
+        demand, items, on = [], [], []
         for b, w_b in enumerate(wanted):
             hk_n, t = w_b.shape
             n_sealed = t // page_size  # the open page is always resident
             if n_sealed == 0:
                 continue
-            demand = (w_b[:, : n_sealed * page_size] - hot).clamp_min(0).view(hk_n, n_sealed, page_size).sum(-1)
-            on = residency.v_page_depth[b, :, :n_sealed] > hot  # [Hkv, sealed]
-            idx = demand.nonzero()
-            hs, ss = idx[:, 0], idx[:, 1]
-            ranked += [(float(dm), b, h, s, o) for (h, s), dm, o in
-                       zip(idx.tolist(), demand[hs, ss].tolist(), on[hs, ss].tolist(), strict=True)]
-        ranked.sort(key=lambda x: -x[0])
-        keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
-        fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
-        return keep, fetch[: self._room(len(keep), slots, self.v_pages_per_step)]
-
-    def _key_pages(self, wanted: list[torch.Tensor], page_depth: torch.Tensor, hot: int, page_size: int,
-                   slots: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """wanted: per sequence [Hkv, T] bool (tokens the refinement chose); page_depth [B, Hkv, slots]: sealed Key
-        pages ranked by their chosen tokens."""
-        ranked: list[tuple[int, int, int, int, bool]] = []
-        for b, w_b in enumerate(wanted):
-            hk_n, t = w_b.shape
-            n_sealed = t // page_size  # the open page is always resident
-            if n_sealed == 0:
-                continue
-            demand = w_b[:, : n_sealed * page_size].view(hk_n, n_sealed, page_size).sum(-1)  # [Hkv, sealed]
-            on = page_depth[b, :, :n_sealed] > hot
-            idx = demand.nonzero()
-            hs, ss = idx[:, 0], idx[:, 1]
-            ranked += [(int(dm), b, h, s, o) for (h, s), dm, o in
-                       zip(idx.tolist(), demand[hs, ss].tolist(), on[hs, ss].tolist(), strict=True)]
-        ranked.sort(key=lambda x: -x[0])
-        keep = [(b, h, s) for _, b, h, s, on in reversed(ranked) if on]
-        fetch = [(b, h, s) for _, b, h, s, on in ranked if not on]
-        return keep, fetch[: self._room(len(keep), slots, self.k_pages_per_step)]
+            d_b = demand_of(w_b[:, : n_sealed * page_size]).view(hk_n, n_sealed, page_size).sum(-1).cpu()
+            idx = d_b.nonzero()  # [n, 2] (h, s), row-major
+            demand.append(d_b[idx[:, 0], idx[:, 1]])
+            items.append(torch.cat([torch.full_like(idx[:, :1], b), idx], 1))
+            on.append(page_depth[b, idx[:, 0], idx[:, 1]].cpu() > hot)
+        if not items:
+            return _none(3), _none(3)
+        demand_t, items_t, on_t = torch.cat(demand), torch.cat(items), torch.cat(on)
+        order = torch.sort(-demand_t, stable=True).indices  # the most demanded first, ties in (b, h, s) order
+        items_t, on_t = items_t[order], on_t[order]
+        keep = items_t[on_t].flip(0)
+        fetch = items_t[~on_t]
+        return keep, fetch[: self._room(keep.shape[0], slots, limit)]
 
     @staticmethod
     def _room(kept: int, slots: int, limit: int | None) -> int:
@@ -203,10 +203,10 @@ class Prefetcher:
         if timed:
             plan = self._within_deadline(target, layer, plan, deadline)  # type: ignore[arg-type]
         try:
-            target.promote_keys(layer, plan.k_keep + plan.k_fetch)
-            target.promote_values(layer, plan.v_keep + plan.v_fetch)
-            if plan.kp_keep or plan.kp_fetch:
-                target.promote_key_pages(layer, plan.kp_keep + plan.kp_fetch)
+            target.promote_keys(layer, torch.cat([plan.k_keep, plan.k_fetch]))
+            target.promote_values(layer, torch.cat([plan.v_keep, plan.v_fetch]))
+            if plan.kp_keep.shape[0] or plan.kp_fetch.shape[0]:
+                target.promote_key_pages(layer, torch.cat([plan.kp_keep, plan.kp_fetch]))
         finally:
             if timed:
                 host.release_staged()  # type: ignore[union-attr]
@@ -223,20 +223,22 @@ class Prefetcher:
             stream = (seqs[b], "k", layer, h)
             return [(stream, s) for s in range(target.length(layer, b) // p)]  # type: ignore[attr-defined]
 
+        k_fetch, v_fetch, kp_fetch = (t.tolist() for t in (plan.k_fetch, plan.v_fetch, plan.kp_fetch))
         need: list[tuple[tuple[str, str, int, int], int]] = []
-        for b, h in dict.fromkeys((b, h) for b, h, _, _ in plan.k_fetch):
+        for b, h in dict.fromkeys((b, h) for b, h, _, _ in k_fetch):
             need += k_pages(b, h)
-        need += [((seqs[b], "v", layer, h), s) for b, h, s in plan.v_fetch]
-        need += [((seqs[b], "k", layer, h), s) for b, h, s in plan.kp_fetch]
+        need += [((seqs[b], "v", layer, h), s) for b, h, s in v_fetch]
+        need += [((seqs[b], "k", layer, h), s) for b, h, s in kp_fetch]
         missing = host.fetch_within(need, deadline)
         if not missing:
             return plan
-        k_fetch = [it for it in plan.k_fetch if not any(pg in missing for pg in k_pages(it[0], it[1]))]
-        v_fetch = [it for it in plan.v_fetch if ((seqs[it[0]], "v", layer, it[1]), it[2]) not in missing]
-        kp_fetch = [it for it in plan.kp_fetch if ((seqs[it[0]], "k", layer, it[1]), it[2]) not in missing]
-        missed = len(plan.k_fetch) + len(plan.v_fetch) + len(plan.kp_fetch) - len(k_fetch) - len(v_fetch) \
-            - len(kp_fetch)
-        return PrefetchPlan(plan.k_keep, k_fetch, plan.v_keep, v_fetch, plan.kp_keep, kp_fetch, missed)
+        k_ok = [not any(pg in missing for pg in k_pages(b, h)) for b, h, _, _ in k_fetch]
+        v_ok = [((seqs[b], "v", layer, h), s) not in missing for b, h, s in v_fetch]
+        kp_ok = [((seqs[b], "k", layer, h), s) not in missing for b, h, s in kp_fetch]
+        missed = sum(not ok for ok in k_ok + v_ok + kp_ok)
+        return PrefetchPlan(plan.k_keep, plan.k_fetch[torch.tensor(k_ok, dtype=torch.bool)], plan.v_keep,
+                            plan.v_fetch[torch.tensor(v_ok, dtype=torch.bool)], plan.kp_keep,
+                            plan.kp_fetch[torch.tensor(kp_ok, dtype=torch.bool)], missed)
 
 
 @dataclass
@@ -289,17 +291,18 @@ class StepTally:
                 self.kr_served += int((want_b & full_b).sum())
         plan = self._pending.pop(layer, None)
         if plan is not None:  # of the items fetched for this step, those it read
-            self.fetched += len(plan.k_fetch) + len(plan.v_fetch) + len(plan.kp_fetch)
-            self.fetched_k += len(plan.k_fetch)
-            self.fetched_v += len(plan.v_fetch)
-            self.fetched_kp += len(plan.kp_fetch)
-            if "kr_full" in ex:
-                for b, h, s in plan.kp_fetch:
-                    self.fetched_used += int(bool(ex["kr_full"][b][h, s * page_size: (s + 1) * page_size].any()))
-            self.fetched_used += sum(int(k_read[b, h, c]) > j for b, h, c, j in plan.k_fetch)
-            for b, h, s in plan.v_fetch:
-                page = ex["v_depths"][b][h, s * page_size: (s + 1) * page_size]
-                self.fetched_used += int(bool((page > hot_v).any()))
+            self.fetched += plan.n_fetch
+            self.fetched_k += plan.k_fetch.shape[0]
+            self.fetched_v += plan.v_fetch.shape[0]
+            self.fetched_kp += plan.kp_fetch.shape[0]
+            b, h, c, j = plan.k_fetch.unbind(1)
+            self.fetched_used += int((k_read.cpu()[b, h, c] > j).sum())
+            for kind, pages in (("kr_full", plan.kp_fetch), ("v_depths", plan.v_fetch)):
+                if kind not in ex:
+                    continue
+                for b, h, s in pages.tolist():  # a page is used if one of its tokens read past its hot planes
+                    page = ex[kind][b][h, s * page_size: (s + 1) * page_size]
+                    self.fetched_used += int(bool(page.any() if kind == "kr_full" else (page > hot_v).any()))
 
     def fetched_for_next(self, layer: int, plan: PrefetchPlan) -> None:
         self._pending[layer] = plan

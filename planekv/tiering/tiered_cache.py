@@ -27,7 +27,6 @@ reads a TieredCache as it reads a PlaneKVCache, within its residency. With ``h =
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +47,16 @@ from ..kvstore.tiered_pools import TieredPools
 from .host_tier import HostTier
 from .placement import PlacementPolicy
 from .remote_writer import RemoteWriter
+from .slot_lru import SlotLru, first_occurrences
 from .spill_tier import SpillTier
 
 MiB = 1 << 20
+Items = list[tuple[int, ...]] | torch.Tensor  # promotion requests: tuples, or an [n, 3 or 4] int64 tensor
+
+
+def _as_items(items: Items, width: int) -> torch.Tensor:
+    """Promotion requests as an [n, width] int64 CPU tensor."""
+    return torch.as_tensor(items, dtype=torch.int64).reshape(-1, width).cpu()
 
 
 @dataclass(frozen=True)
@@ -88,41 +94,6 @@ def key_page_slots(spec: FormatSpec, hot_k: int, layer_bytes: int) -> int:
     channel, d x P/8 bytes each)."""
     page = (spec.width - hot_k) * spec.head_dim * (spec.page_size // 8)
     return layer_bytes // page if hot_k < spec.width else 0
-
-
-class _Lru:
-    """Slots 0..n-1 handed out least recently used first; pinned slots are never taken back."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.free = list(range(n - 1, -1, -1))
-        self.order: OrderedDict[int, object] = OrderedDict()  # slot -> owner, oldest first
-        self.pinned: set[int] = set()
-
-    def touch(self, slot: int) -> None:
-        if slot in self.order:  # a slot past n (a deep Key channel's pinned plane) is not the LRU's
-            self.order.move_to_end(slot)
-
-    def take(self, owner: object) -> tuple[int, object | None]:
-        """A slot for ``owner`` and the owner evicted from it (None if the slot was free); (-1, None) if every
-        slot is pinned."""
-        if self.free:
-            slot = self.free.pop()
-            self.order[slot] = owner
-            return slot, None
-        for slot, old in self.order.items():
-            if slot not in self.pinned:
-                del self.order[slot]
-                self.order[slot] = owner
-                return slot, old
-        return -1, None
-
-    def release(self, slot: int) -> None:
-        if slot >= self.n:  # not the LRU's (a pinned plane)
-            return
-        self.order.pop(slot, None)
-        self.pinned.discard(slot)
-        self.free.append(slot)
 
 
 class TieredCache:
@@ -192,11 +163,7 @@ class TieredCache:
                                      dtype=torch.uint8, device=dev) for hk in self.hot_k]
         self.k_open = [t[:n_open] for t in self.kp_promo]  # views: a page appends into its reserved slot
         self.kp_slot = [torch.full((n0,), -1, dtype=torch.int32) for _ in self.hot_k]
-        self._kp_lru = []
-        for t in self.kp_promo:
-            lru = _Lru(t.shape[0])
-            lru.free = [s for s in lru.free if s >= n_open]
-            self._kp_lru.append(lru)
+        self._kp_lru = [SlotLru(t.shape[0], reserved=n_open) for t in self.kp_promo]
         # promotion: per layer, Key channel-plane vectors and Value pages (the open pages' slots reserved first)
         self.k_promo, self.v_promo, self.k_slot, self.v_slot = [], [], [], []
         self._k_lru, self._v_lru = [], []
@@ -207,10 +174,8 @@ class TieredCache:
             self.v_promo.append(torch.zeros(n_v, *v_page_shape(spec, w - hv), dtype=torch.uint8, device=dev))
             self.k_slot.append(torch.full((batch_size, hk_n, d, w - hk), -1, dtype=torch.int32))
             self.v_slot.append(torch.full((n0,), -1, dtype=torch.int32))
-            lru = _Lru(n_v)
-            lru.free = [s for s in lru.free if s >= n_open]  # slots 0..n_open-1: the open pages
-            self._v_lru.append(lru)
-            self._k_lru.append(_Lru(n_k))
+            self._v_lru.append(SlotLru(n_v, reserved=n_open))  # slots 0..n_open-1: the open pages
+            self._k_lru.append(SlotLru(n_k))
         self.host = HostTier(spec.format_id, (16 << 30) if host_bytes is None else host_bytes,
                              placement.block_bytes, pinned=self.device.type == "cuda", spill=spill,
                              remote=remote)
@@ -288,21 +253,17 @@ class TieredCache:
                 idx = pages.to(self.device)
                 self.k_hot[i][idx] = 0
                 self.v_hot[i][idx] = 0
-                for s in self.v_slot[i][pages].tolist():
-                    if s >= 0:
-                        self.v_promo[i][s] = 0
-                        if s >= self.batch_size * hk_n:
-                            self._v_lru[i].release(s)
-                self.v_slot[i][pages] = -1
-                for s in self.kp_slot[i][pages].tolist():
-                    if s >= 0:
-                        self.kp_promo[i][s] = 0
-                        if s >= self.batch_size * hk_n:
-                            self._kp_lru[i].release(s)
-                self.kp_slot[i][pages] = -1
-            for s in self.k_slot[i][b][self.k_slot[i][b] >= 0].tolist():
-                self.k_promo[i][s] = 0
-                self._k_lru[i].release(s)
+                for table, promo, lru in ((self.v_slot[i], self.v_promo[i], self._v_lru[i]),
+                                          (self.kp_slot[i], self.kp_promo[i], self._kp_lru[i])):
+                    held = table[pages].long()
+                    held = held[held >= 0]
+                    promo[held.to(promo.device)] = 0
+                    lru.release(held)  # the open pages' reserved slots are not the LRU's
+                    table[pages] = -1
+            held = self.k_slot[i][b]
+            held = held[held >= 0].long()
+            self.k_promo[i][held.to(self.k_promo[i].device)] = 0
+            self._k_lru[i].release(held)  # pinned slots (deep Key channels) are not the LRU's
             self.k_slot[i][b] = -1
             self.k_open[i][b * hk_n: (b + 1) * hk_n] = 0
             self.v_promo[i][b * hk_n: (b + 1) * hk_n] = 0
@@ -396,40 +357,35 @@ class TieredCache:
 
     def _seal(self, layer: int, b: int, slot: int) -> None:
         """Page ``slot`` of sequence b is full in ``layer``: its refinement planes go to the host tier; its Value
-        and Key refinement planes stay promoted, in the least recently used slot (the most recent pages)."""
+        and Key refinement planes stay promoted, in the least recently used slots (the most recent pages)."""
         w, hk_n = self.spec.width, self.spec.n_kv_heads
         hk, hv = self.hot_k[layer], self.hot_v[layer]
         seq = self.sequence_ids[b]
-        for h in range(hk_n):
-            o = b * hk_n + h
-            page = int(self.page_table[b, h, slot])
-            if hk < w:
-                self.host.put_page((seq, "k", layer, h), slot, (hk, w), self.k_open[layer][o])
-                kept, old = self._kp_lru[layer].take(page)
-                if kept >= 0:
-                    if old is not None:
-                        self._evict_kp(layer, int(old))
-                    self.kp_promo[layer][kept] = self.k_open[layer][o]
-                self.kp_slot[layer][page] = kept
-                self.k_open[layer][o] = 0
-            if hv < w:
-                self.host.put_page((seq, "v", layer, h), slot, (hv, w), self.v_promo[layer][o])
-                kept, old = self._v_lru[layer].take(page)
-                if kept >= 0:
-                    if old is not None:
-                        self._evict_v(layer, int(old))
-                    self.v_promo[layer][kept] = self.v_promo[layer][o]
-                self.v_slot[layer][page] = kept
-                self.v_promo[layer][o] = 0
+        pages = self.page_table[b, :, slot]  # [Hkv]
+        opened = torch.arange(b * hk_n, (b + 1) * hk_n)  # [Hkv] the heads' open-page slots
+        for kind, depth, promo, table, lru, evict in (
+                ("k", hk, self.kp_promo[layer], self.kp_slot[layer], self._kp_lru[layer], self._evict_kp),
+                ("v", hv, self.v_promo[layer], self.v_slot[layer], self._v_lru[layer], self._evict_v)):
+            if depth == w:
+                continue
+            for h in range(hk_n):
+                self.host.put_page((seq, kind, layer, h), slot, (depth, w), promo[b * hk_n + h])
+            kept, slots, evicted = lru.take(pages)
+            evict(layer, evicted)
+            table[pages] = -1
+            table[pages[kept]] = slots.to(table.dtype)
+            dev_slots, dev_open = slots.to(promo.device), opened[kept].to(promo.device)
+            promo[dev_slots] = promo[dev_open]
+            promo[opened.to(promo.device)] = 0
         self.counters["sealed"] += 1
 
-    def _evict_v(self, layer: int, page: int) -> None:
-        self.v_slot[layer][page] = -1
-        self.counters["v_evicted"] += 1
+    def _evict_v(self, layer: int, pages: torch.Tensor) -> None:
+        self.v_slot[layer][pages] = -1
+        self.counters["v_evicted"] += pages.numel()
 
-    def _evict_kp(self, layer: int, page: int) -> None:
-        self.kp_slot[layer][page] = -1
-        self.counters["kp_evicted"] += 1
+    def _evict_kp(self, layer: int, pages: torch.Tensor) -> None:
+        self.kp_slot[layer][pages] = -1
+        self.counters["kp_evicted"] += pages.numel()
 
     # ---- deep Key channels (PlacementPolicy.deep_key_channels) ----
 
@@ -506,9 +462,10 @@ class TieredCache:
         """How many Key channel-planes and sealed Value pages ``layer``'s promotion cache holds."""
         return self._k_lru[layer].n, self.v_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
 
-    def promote_values(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
-        """Bring the refinement planes of sealed pages (sequence b, KV head h, page slot s) back to the device,
-        least recently used slots first; returns how many were brought (already resident ones are touched)."""
+    def promote_values(self, layer: int, pages: Items) -> int:
+        """Bring the refinement planes of sealed Value pages (sequence b, KV head h, page slot s; a list of tuples or
+        an [n, 3] tensor) back to the device; returns how many were brought. Resident ones are touched first, in
+        the order given, then missing ones take the least recently used slots (:meth:`_touch_and_take`)."""
         n = self._promote_pages(layer, pages, "v")
         self.counters["v_promoted"] += n
         return n
@@ -517,96 +474,105 @@ class TieredCache:
         """How many sealed Key pages ``layer``'s Key page slots hold."""
         return self.kp_promo[layer].shape[0] - self.batch_size * self.spec.n_kv_heads
 
-    def promote_key_pages(self, layer: int, pages: list[tuple[int, int, int]]) -> int:
-        """Bring every channel's refinement planes of sealed Key pages (sequence b, KV head h, page slot s) back to
-        the device for Key refinement, least recently used slots first; returns how many were brought (already
-        resident ones are touched)."""
+    def promote_key_pages(self, layer: int, pages: Items) -> int:
+        """Bring every channel's refinement planes of sealed Key pages (sequence b, KV head h, page slot s; a list
+        of tuples or an [n, 3] tensor) back to the device for Key refinement, as :meth:`promote_values` brings
+        Value pages; returns how many were brought."""
         n = self._promote_pages(layer, pages, "k")
         self.counters["kp_promoted"] += n
         return n
 
-    def _promote_pages(self, layer: int, pages: list[tuple[int, int, int]], kind: str) -> int:
+    def _promote_pages(self, layer: int, pages: Items, kind: str) -> int:
         """Sealed pages' refinement planes from the host tier into their slots: Value pages (``kind`` "v": v_promo,
-        v_slot) or Key pages ("k": kp_promo, kp_slot); returns how many were brought."""
+        v_slot) or Key pages ("k": kp_promo, kp_slot); returns how many were brought. Pages that do not exist or
+        are open (always resident) are skipped; the rest as :meth:`_touch_and_take` says."""
         if kind == "v":
             hot, lru, table, promo, evict = self.hot_v[layer], self._v_lru[layer], self.v_slot[layer], \
                 self.v_promo[layer], self._evict_v
         else:
             hot, lru, table, promo, evict = self.hot_k[layer], self._kp_lru[layer], self.kp_slot[layer], \
                 self.kp_promo[layer], self._evict_kp
-        if hot == self.spec.width:
+        items = _as_items(pages, 3)  # [n, 3] (b, h, s)
+        if hot == self.spec.width or not items.shape[0]:
             return 0
-        n = 0
-        fill: dict[int, tuple[int, int, int]] = {}  # slot -> page (a later take of the slot replaces it)
-        for b, h, s in pages:
-            page = int(self.page_table[b, h, s])
-            if page < 0 or s >= self.length(layer, b) // self.spec.page_size:
-                continue  # no such page, or the open one (always resident)
-            cur = int(table[page])
-            if cur >= 0:
-                lru.touch(cur)
-                continue
-            slot, old = lru.take(page)
-            if slot < 0:
-                break
-            if old is not None:
-                evict(layer, int(old))
-            fill[slot] = (b, h, s)
-            table[page] = slot
-            n += 1
+        b, h, s = items.unbind(1)
+        in_table = s < self.page_table.shape[2]
+        page = torch.full_like(s, -1)
+        page[in_table] = self.page_table[b[in_table], h[in_table], s[in_table]]
+        sealed = s < self.lengths[layer][b] // self.spec.page_size
+        ok = (page >= 0) & sealed
+        items, page = items[ok], page[ok]
+        taken, slots, evicted = self._touch_and_take(lru, page, table[page].long())
+        evict(layer, evicted)
+        table[page[taken]] = slots.to(table.dtype)
+        fill = items[taken].tolist()
         if fill:  # the pages gathered on the host, then one copy to the device
-            data = torch.stack([self.host.page((self.sequence_ids[b], kind, layer, h), s) for b, h, s in fill.values()])
-            slots = torch.tensor(list(fill), dtype=torch.long, device=promo.device)
-            promo[slots] = data.to(self.device).view(len(fill), *promo.shape[1:])
-        return n
+            data = torch.stack([self.host.page((self.sequence_ids[b], kind, layer, h), s) for b, h, s in fill])
+            promo[slots.to(promo.device)] = data.to(self.device).view(len(fill), *promo.shape[1:])
+        return len(fill)
 
-    def promote_keys(self, layer: int, planes: list[tuple[int, int, int, int]]) -> int:
-        """Bring Key channel-planes (sequence b, KV head h, channel c, plane j >= h_K) back to the device, over
-        every page of the head; returns how many were brought. Slots are taken in the order given (the LRU's
-        bookkeeping), then filled per (sequence, KV head): its pages are read from the host tier once for all of
-        its channel-planes, and copied to the device in one go."""
+    @staticmethod
+    def _touch_and_take(lru: SlotLru, owners: torch.Tensor, current: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """owners [n] (the LRU's encoding of the items asked for, in order), current [n] their slots (-1: not
+        resident) -> (taken [n] bool: brought now, slots [k] theirs, evicted owners). An item listed twice counts
+        once, at its first place; resident items are touched first, in order; then missing ones take the least
+        recently used slots in order (with more than the LRU holds, the last ones keep theirs)."""
+        once = first_occurrences(owners)
+        resident = once & (current >= 0)
+        lru.touch(current[resident])
+        missing = once & (current < 0)
+        kept, slots, evicted = lru.take(owners[missing])
+        taken = torch.zeros_like(once)
+        taken[missing.nonzero().flatten()[kept]] = True
+        return taken, slots, evicted
+
+    def promote_keys(self, layer: int, planes: Items) -> int:
+        """Bring Key channel-planes (sequence b, KV head h, channel c, plane j >= h_K; a list of tuples or an [n, 4]
+        tensor) back to the device, over every page of the head; returns how many were brought. Resident ones are
+        touched first, in the order given, then missing ones take the least recently used slots
+        (:meth:`_touch_and_take`); slots are filled per (sequence, KV head): its pages are read from the host tier
+        once for all of its channel-planes, and copied to the device in one go."""
         hk, w = self.hot_k[layer], self.spec.width
-        lru, n = self._k_lru[layer], 0
-        fill: dict[int, tuple[int, int, int, int]] = {}  # slot -> item (a later take of the slot replaces it)
-        for b, h, c, j in planes:
-            if not hk <= j < w:
-                raise ValueError(f"plane {j} of layer {layer} is not a refinement plane (hot: {hk}, W: {w})")
-            cur = int(self.k_slot[layer][b, h, c, j - hk])
-            if cur >= 0:
-                lru.touch(cur)
-                continue
-            slot, old = lru.take((b, h, c, j))
-            if slot < 0:
-                break
-            if old is not None:
-                ob, oh, oc, oj = old  # type: ignore[misc]
-                self.k_slot[layer][ob, oh, oc, oj - hk] = -1
-                self.counters["k_evicted"] += 1
-            fill[slot] = (b, h, c, j)
-            self.k_slot[layer][b, h, c, j - hk] = slot
-            n += 1
-        by_head: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for slot, (b, h, c, j) in fill.items():
-            by_head.setdefault((b, h), []).append((slot, c, j))
-        for (b, h), items in by_head.items():
-            slots = torch.tensor([s for s, _, _ in items], dtype=torch.long)
-            vectors = self._k_vectors(layer, b, h, [(c, j) for _, c, j in items])  # [n, max_slots, P/8]
-            self.k_promo[layer][slots.to(self.k_promo[layer].device)] = vectors
-        self.counters["k_promoted"] += n
-        return n
+        items = _as_items(planes, 4)  # [n, 4] (b, h, c, j)
+        if not items.shape[0]:
+            return 0
+        bad = (items[:, 3] < hk) | (items[:, 3] >= w)
+        if bool(bad.any()):
+            j = int(items[bad.nonzero()[0, 0], 3])
+            raise ValueError(f"plane {j} of layer {layer} is not a refinement plane (hot: {hk}, W: {w})")
+        table = self.k_slot[layer]  # [B, Hkv, d, W - h_K]
+        flat = self._k_owner(layer, items)  # [n] index into table
+        taken, slots, evicted = self._touch_and_take(self._k_lru[layer], flat, table.view(-1)[flat].long())
+        table.view(-1)[evicted] = -1
+        self.counters["k_evicted"] += evicted.numel()
+        table.view(-1)[flat[taken]] = slots.to(table.dtype)
+        fill = items[taken]
+        for b, h in torch.unique(fill[:, :2], dim=0).tolist():
+            mine = (fill[:, 0] == b) & (fill[:, 1] == h)
+            vectors = self._k_vectors(layer, b, h, fill[mine][:, 2:])  # [n, max_slots, P/8]
+            self.k_promo[layer][slots[mine].to(self.k_promo[layer].device)] = vectors
+        self.counters["k_promoted"] += fill.shape[0]
+        return fill.shape[0]
 
-    def _k_vectors(self, layer: int, b: int, h: int, items: list[tuple[int, int]]) -> torch.Tensor:
-        """Planes j of channels c ((c, j) in ``items``) over every page of (b, h): sealed pages from the host tier
-        (read once for all items), the open one from its buffer; [len(items), max_slots, P/8] on the device."""
-        hk, w, d, p = self.hot_k[layer], self.spec.width, self.spec.head_dim, self.spec.page_size
-        cs = torch.tensor([c for c, _ in items], dtype=torch.long)
-        js = torch.tensor([j - hk for _, j in items], dtype=torch.long)
-        out = torch.zeros(len(items), self.max_slots, self.k_row, dtype=torch.uint8)
+    def _k_owner(self, layer: int, items: torch.Tensor) -> torch.Tensor:
+        """items [n, 4] (b, h, c, j) -> [n] their flat index into ``k_slot[layer]`` (the Key LRU's owner ids)."""
+        _, hk_n, d, planes = self.k_slot[layer].shape
+        b, h, c, j = items.unbind(1)
+        return ((b * hk_n + h) * d + c) * planes + (j - self.hot_k[layer])
+
+    def _k_vectors(self, layer: int, b: int, h: int, items: torch.Tensor) -> torch.Tensor:
+        """Planes j of channels c (``items`` [n, 2] (c, j)) over every page of (b, h): sealed pages from the host
+        tier (read once for all items), the open one from its buffer; [n, max_slots, P/8] on the device."""
+        hk, d, p = self.hot_k[layer], self.spec.head_dim, self.spec.page_size
+        cs, js = items[:, 0], items[:, 1] - hk
+        out = torch.zeros(items.shape[0], self.max_slots, self.k_row, dtype=torch.uint8)
         t = self.length(layer, b)
         sealed = t // p
         if sealed:
-            pages = self.host.pages((self.sequence_ids[b], "k", layer, h), 0, sealed)  # [sealed, page bytes]
-            out[:, :sealed] = pages.view(sealed, w - hk, d, self.k_row)[:, js, cs].transpose(0, 1)
+            # a page is [W - h_K, d, P/8]: the (plane, channel) rows of the items, gathered from each page
+            rows = self.host.pages((self.sequence_ids[b], "k", layer, h), 0, sealed, rows=js * d + cs,
+                                   row_bytes=self.k_row)  # [sealed, n, P/8]
+            out[:, :sealed] = rows.transpose(0, 1)
         if t % p:
             out[:, sealed] = self.k_open[layer][b * self.spec.n_kv_heads + h].cpu()[js, cs]
         return out.to(self.device)

@@ -126,7 +126,7 @@ def test_pinned_planes_survive_prefetch_lru_pressure_and_freeing() -> None:
     assert bool((now[mask] >= 7).all()) and bool((now >= before).all())
     plan = pf.plan(_stats_of(tiered, q, codec, policy), tiered.residency(0), 3, 2, 64, 2, 0,
                    k_pinned=tiered.pinned_k_depth(0))
-    for b, h, c, j in plan.k_keep + plan.k_fetch:  # never a pinned plane
+    for b, h, c, j in torch.cat([plan.k_keep, plan.k_fetch]).tolist():  # never a pinned plane
         assert j >= int(tiered.pinned_k_depth(0)[b, h, c])
     # free sequence 0 and fill it again: its deep channels are pinned and full again, the other's untouched
     tiered.free(0)
@@ -137,7 +137,10 @@ def test_pinned_planes_survive_prefetch_lru_pressure_and_freeing() -> None:
     flat.append(0, kc[:, :150], vc[:, :150], seq=0)
     depth = tiered.pinned_k_depth(0)[0]
     assert torch.equal(tiered.read_k(0, 0, depth), flat.read_k(0, 0, depth))
-    assert tiered._k_lru[0].n == 2 and all(s < 2 for s in tiered._k_lru[0].free)  # no pinned slot leaked in
+    lru = tiered._k_lru[0]  # no pinned slot leaked in: the LRU's 2 slots and the table agree
+    held = (lru.owner >= 0).nonzero().flatten()
+    assert lru.n == 2 and torch.equal(tiered.k_slot[0].view(-1)[lru.owner[held]].long(), held)
+    assert int(((tiered.k_slot[0] >= 0) & (tiered.k_slot[0] < 2)).sum()) == held.numel()
 
 
 def _stats_of(tiered: TieredCache, q: torch.Tensor, codec: Codec, policy: ReadPolicy):

@@ -77,15 +77,15 @@ def test_the_key_margin_comes_after_what_was_asked_and_stays_within_w() -> None:
     asked = Prefetcher(k_margin=0).plan(st, res, 4, 2, 64, 1000, 1000)
     wide = Prefetcher(k_margin=2).plan(st, res, 4, 2, 64, 1000, 1000)
     n = len(asked.k_fetch)
-    assert wide.k_fetch[:n] == asked.k_fetch and len(wide.k_fetch) > n
-    for b, h, c, j in wide.k_fetch[n:]:
+    assert torch.equal(wide.k_fetch[:n], asked.k_fetch) and len(wide.k_fetch) > n
+    for b, h, c, j in wide.k_fetch[n:].tolist():
         assert max(4, int(wanted[b, h, c])) <= j < min(int(wanted[b, h, c]) + 2, 8)
     expect = int(((wanted + 2).clamp_max(8) - wanted.clamp_min(4)).clamp_min(0).sum())
     assert len(wide.k_fetch) - n == expect  # every channel past the hot planes, nothing resident yet
     tight = Prefetcher(k_margin=2).plan(st, res, 4, 2, 64, n + 3, 1000)
-    assert tight.k_fetch == wide.k_fetch[: n + 3]  # the room left after the asked-for planes
+    assert torch.equal(tight.k_fetch, wide.k_fetch[: n + 3])  # the room left after the asked-for planes
     capped = Prefetcher(k_planes_per_step=n + 1, k_margin=2).plan(st, res, 4, 2, 64, 1000, 1000)
-    assert capped.k_fetch == wide.k_fetch[: n + 1]
+    assert torch.equal(capped.k_fetch, wide.k_fetch[: n + 1])
     with pytest.raises(ValueError, match="k_margin"):
         Prefetcher(k_margin=-1)
 
@@ -97,12 +97,12 @@ def test_limits_and_the_cache_room_bound_what_is_brought() -> None:
     k_slots, v_slots = tiered.promotion_slots(0)
     assert (k_slots, v_slots) == (72, 3)
     cached = Prefetcher().plan(st, res, 4, 2, 64, k_slots, v_slots)
-    assert len(cached.v_keep) == 3 and not cached.v_fetch  # bringing more would evict what the plan keeps
+    assert len(cached.v_keep) == 3 and not len(cached.v_fetch)  # bringing more would evict what the plan keeps
     full = Prefetcher().plan(st, res, 4, 2, 64, 1000, 1000)  # a larger cache: everything asked for
-    assert len(full.k_fetch) > k_slots and full.v_fetch and full.v_keep == cached.v_keep
-    assert cached.k_fetch == full.k_fetch[:k_slots]  # the deepest-wanted channels first
+    assert len(full.k_fetch) > k_slots and len(full.v_fetch) and torch.equal(full.v_keep, cached.v_keep)
+    assert torch.equal(cached.k_fetch, full.k_fetch[:k_slots])  # the deepest-wanted channels first
     few = Prefetcher(k_planes_per_step=3, v_pages_per_step=1).plan(st, res, 4, 2, 64, 1000, 1000)
-    assert few.k_fetch == full.k_fetch[:3] and few.v_fetch == full.v_fetch[:1]
+    assert torch.equal(few.k_fetch, full.k_fetch[:3]) and torch.equal(few.v_fetch, full.v_fetch[:1])
     with pytest.raises(ValueError, match="v_pages_per_step"):
         Prefetcher(v_pages_per_step=-1)
     with pytest.raises(PlaneKVError, match="past its residency"):  # the tiered cache refuses an unlimited read

@@ -124,10 +124,12 @@ def test_promotion_is_bounded_and_least_recently_used_goes_first() -> None:
     tiered = _fill(TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512,
                                promotion_bytes=2 * 3 * page, k_promotion_share=0.0), codes)  # 3 page slots a layer
     sealed = [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(2) for s in range(t // 64)]
-    tiered.promote_values(0, sealed)
+    before = [(b, h, s) for b, h, s in sealed if int(tiered.residency(0).v_page_depth[b, h, s]) == 8]
+    assert len(before) == 3  # the last pages sealed stay promoted
+    assert tiered.promote_values(0, sealed) == 3
     res = tiered.residency(0)
     resident = [(b, h, s) for b, h, s in sealed if int(res.v_page_depth[b, h, s]) == 8]
-    assert resident == sealed[-3:]  # the last three brought stay
+    assert resident == [page for page in sealed if page not in before][-3:]  # the last three brought stay
     assert tiered.promoted_bytes() == 2 * 3 * page  # layer 1 kept its last three sealed pages at sealing
     assert tiered.counters["v_evicted"] > 0
     assert tiered.promote_keys(0, [(0, 0, 0, 4)]) == 0  # no room for Key channel-planes at all
@@ -187,7 +189,10 @@ def test_key_pages_stay_promoted_on_sealing_within_their_budget_and_read_at_full
     tiered.free(0)  # sequence 0's slots released: only sequence 1's pages hold Key page slots
     held = set((tiered.kp_slot[0] >= 0).nonzero().flatten().tolist())
     assert held and held <= set(tiered.page_table[1][tiered.page_table[1] >= 0].tolist())
-    assert len(tiered._kp_lru[0].free) + len(tiered._kp_lru[0].order) == 3
+    lru = tiered._kp_lru[0]  # 3 slots past the open pages', and the LRU's owners are the table's
+    held = (lru.owner >= 0).nonzero().flatten()
+    assert lru.capacity == 3 and torch.equal(tiered.kp_slot[0][lru.owner[held]].long(), held)
+    assert int((tiered.kp_slot[0] >= lru.reserved).sum()) == held.numel() > 0
 
 
 def test_key_refinement_over_the_tiered_cache_serves_resident_key_pages_and_caps_the_rest() -> None:
