@@ -85,7 +85,7 @@ def _bench_tiering(args: argparse.Namespace) -> int:
         rows += run_decode(data, args.policies, args.hots, promotion_mib=args.promotion_mib, warmup=args.warmup,
                            prefetch=not args.no_prefetch, reader=args.reader, progress=say,
                            key_page_mib=args.key_page_mib, tier=tier, deep=deep, deep_rank=args.deep_key_rank,
-                           k_margin=args.k_margin)
+                           k_margin=args.k_margin, tier_aware=args.tier_aware)
     for shape in args.timing or []:
         rows += run_timing(shape, args.policies, args.hots, reps=args.reps, warm=args.warm,
                            promotion_mib=args.promotion_mib, layers=args.model_layers, budget_gib=args.budget_gib,
@@ -291,6 +291,10 @@ def _register_tiering(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--k-margin", type=_at_least_zero, default=1, metavar="N",
                    help="prefetch N Key planes past each channel's wanted depth, after the wanted ones (default 1; "
                         "0: only what the step asked for)")
+    t.add_argument("--tier-aware", action="store_true",
+                   help="decode steps: allocate within what is resident (ReadPolicy.tier_aware: the budget of an "
+                        "increment that is not resident goes to resident ones; caps still count the unlimited "
+                        "allocation's increments past it); reference reader only")
     t.add_argument("--reader", choices=("reference", "triton"), default="reference",
                    help="the tiered read of the decode steps (Key refinement always runs the reference)")
     t.add_argument("--tier", choices=TIERS, default="host",

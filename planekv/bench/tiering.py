@@ -199,15 +199,21 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
                warmup: int = 1, prefetch: bool = True, reader: str = "reference", k_share: float | None = None,
                progress: Callable[[str], None] | None = None, key_page_mib: float = 0.0,
                tier: TierSetup | None = None, deep: list[DeepKeyChannels] | None = None,
-               deep_rank: str = "profile", k_margin: int = Prefetcher.k_margin) -> list[TierRow]:
+               deep_rank: str = "profile", k_margin: int = Prefetcher.k_margin,
+               tier_aware: bool = False) -> list[TierRow]:
     """Every (policy, hot depth) over ``data``'s decode steps (one sequence; step s reads its own token and those
     before it). ``reader``: "reference" (the torch tiered read) or "triton" (the FMA stages). ``key_page_mib``:
     the tiered cache's Key page slots for Key refinement (MiB per model, beside the promotion cache). ``tier``:
     where the refinement planes live (:class:`TierSetup`; default host memory). ``deep``: after each hot depth's
     row, one row per deep Key channel option at the same average Key depth (h_K = h - share x extra, h_V = h),
     the channels ranked by ``deep_rank`` (:func:`key_channel_scores`). ``k_margin``: the prefetcher's Key planes
-    past each channel's wanted depth (:class:`~planekv.tiering.prefetch.Prefetcher`)."""
+    past each channel's wanted depth (:class:`~planekv.tiering.prefetch.Prefetcher`). ``tier_aware``: the
+    policies with ``ReadPolicy.tier_aware`` (allocations within the residency; the reference reader only; the
+    all-GPU error beside them is the plain policy's)."""
     tier = tier or TierSetup()
+    if tier_aware and reader != "reference":
+        raise ValueError("tier-aware allocation runs in the reference reader only (the kernels cap); use "
+                         "--reader reference")
     if k_margin < 0:
         raise ValueError(f"k_margin must be >= 0, got {k_margin}")
     codec = data.codec
@@ -224,6 +230,8 @@ def run_decode(data: DecodeData, policies: list[str], hots: list[int], promotion
             if tier.deadline_ms is not None:
                 policy = dataclasses.replace(policy, deadline_ms=tier.deadline_ms)
             all_gpu = _all_gpu_error(data, enc, policy, warmup)
+            if tier_aware:
+                policy = dataclasses.replace(policy, tier_aware=True)
             scores = key_channel_scores(data, enc, policy, warmup, deep_rank) if deep else None
             for hot in hots:
                 for option in [None, *(deep or [])]:
@@ -380,9 +388,9 @@ def _decode_steps(data: DecodeData, enc: dict, name: str, policy: ReadPolicy, ho
     took["host"] = max(0.0, prefetch_s - took["nvme"] - took["remote"])
     tb = cache.bytes()
     return TierRow(
-        source=data.source, system=f"tiered-h{hot}-{name}", reader=used, cap_rate=sm["cap_rate"],
-        tier=tier.tier, step_ms=1e3 * step_s / layers_steps, prefetch_ms=1e3 * prefetch_s / layers_steps,
-        host_mib=tb.host / MiB, nvme_mib=tb.nvme / MiB,
+        source=data.source, system=f"tiered-h{hot}-{name}{'-ta' if policy.tier_aware else ''}", reader=used,
+        cap_rate=sm["cap_rate"], tier=tier.tier, step_ms=1e3 * step_s / layers_steps,
+        prefetch_ms=1e3 * prefetch_s / layers_steps, host_mib=tb.host / MiB, nvme_mib=tb.nvme / MiB,
         remote_mib=tb.remote / MiB,
         fetch_mib_s=got[tier.tier] / MiB / took[tier.tier] if got[tier.tier] and took[tier.tier] > 0 else None,
         hit_rate=sm["hit_rate"], kr_hit_rate=sm["kr_hit_rate"] if policy.key_refine else None,
@@ -543,9 +551,9 @@ def _step_then_prefetch(q: torch.Tensor, cache: TieredCache, layer: int, codec: 
     deadline = None if policy.deadline_ms is None else time.monotonic() + policy.deadline_ms / 1e3
     residency = cache.residency(layer)
     out, stats = tiered_decode_step(q, cache, layer, codec, policy, None, tally, scale, read)
+    sync(cache.device)
     if pf is None:
         return out, 0.0
-    sync(cache.device)
     t0 = time.perf_counter()
     tally.fetched_for_next(layer, pf.run(cache, layer, stats, residency, deadline=deadline))
     sync(cache.device)

@@ -169,7 +169,7 @@ class Prefetcher:
             n_sealed = t // page_size  # the open page is always resident
             if n_sealed == 0:
                 continue
-            d_b = demand_of(w_b[:, : n_sealed * page_size]).view(hk_n, n_sealed, page_size).sum(-1).cpu()
+            d_b = demand_of(w_b[:, : n_sealed * page_size]).reshape(hk_n, n_sealed, page_size).sum(-1).cpu()
             idx = d_b.nonzero()  # [n, 2] (h, s), row-major
             demand.append(d_b[idx[:, 0], idx[:, 1]])
             items.append(torch.cat([torch.full_like(idx[:, :1], b), idx], 1))

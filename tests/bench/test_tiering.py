@@ -65,6 +65,19 @@ def test_decode_steps_with_every_plane_hot_read_as_the_all_gpu_reader() -> None:
         run_decode(data, ["flex-r3"], [4])
 
 
+def test_tier_aware_rows_allocate_within_the_residency_and_say_so() -> None:
+    """--tier-aware: rows named "-ta", the caps still those of the unlimited allocation (not hidden), prefetch
+    timed apart from the read; the kernels cap, so the Triton reader is refused with what to use."""
+    data = synthetic_data(n_tokens=300, n_steps=3, n_layers=1, seed=5)
+    (capped,) = run_decode(data, ["flex-r2"], [4], promotion_mib=0.01)
+    (aware,) = run_decode(data, ["flex-r2"], [4], promotion_mib=0.01, tier_aware=True)
+    assert capped.system == "tiered-h4-flex-r2" and aware.system == "tiered-h4-flex-r2-ta"
+    assert aware.cap_rate > 0 and aware.rel_err_all_gpu == capped.rel_err_all_gpu
+    assert aware.prefetch_ms is not None and 0 < aware.prefetch_ms < aware.step_ms
+    with pytest.raises(ValueError, match="reference reader"):
+        run_decode(data, ["flex-r2"], [4], reader="triton", tier_aware=True)
+
+
 def test_the_command_writes_its_rows(tmp_path) -> None:
     from planekv.cli import main
 
