@@ -61,7 +61,11 @@ class SlotLru:
         kept = torch.zeros(m, dtype=torch.bool)
         if m == 0 or cap == 0:
             return kept, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-        order = self.reserved + torch.sort(self.stamp[self.reserved:], stable=True).indices  # [cap] LRU first
+        stamps = self.stamp[self.reserved:]  # [cap], distinct: a sort and a top-k give the same order
+        if m * 8 < cap:  # a few slots (a page sealed): the m least recent, without sorting them all
+            order = self.reserved + torch.topk(stamps, m, largest=False, sorted=True).indices
+        else:
+            order = self.reserved + torch.sort(stamps).indices  # [cap] least recently used first
         used = order[: min(m, cap)]
         evicted = self.owner[used]
         evicted = evicted[evicted >= 0]

@@ -257,12 +257,12 @@ class TieredCache:
                                           (self.kp_slot[i], self.kp_promo[i], self._kp_lru[i])):
                     held = table[pages].long()
                     held = held[held >= 0]
-                    promo[held.to(promo.device)] = 0
+                    promo.index_fill_(0, held.to(promo.device), 0)
                     lru.release(held)  # the open pages' reserved slots are not the LRU's
                     table[pages] = -1
             held = self.k_slot[i][b]
             held = held[held >= 0].long()
-            self.k_promo[i][held.to(self.k_promo[i].device)] = 0
+            self.k_promo[i].index_fill_(0, held.to(self.k_promo[i].device), 0)
             self._k_lru[i].release(held)  # pinned slots (deep Key channels) are not the LRU's
             self.k_slot[i][b] = -1
             self.k_open[i][b * hk_n: (b + 1) * hk_n] = 0
@@ -375,8 +375,8 @@ class TieredCache:
             table[pages] = -1
             table[pages[kept]] = slots.to(table.dtype)
             dev_slots, dev_open = slots.to(promo.device), opened[kept].to(promo.device)
-            promo[dev_slots] = promo[dev_open]
-            promo[opened.to(promo.device)] = 0
+            promo.index_copy_(0, dev_slots, promo.index_select(0, dev_open))  # (index_put is slow on CPU)
+            promo.index_fill_(0, opened.to(promo.device), 0)
         self.counters["sealed"] += 1
 
     def _evict_v(self, layer: int, pages: torch.Tensor) -> None:
@@ -508,7 +508,7 @@ class TieredCache:
         fill = items[taken].tolist()
         if fill:  # the pages gathered on the host, then one copy to the device
             data = torch.stack([self.host.page((self.sequence_ids[b], kind, layer, h), s) for b, h, s in fill])
-            promo[slots.to(promo.device)] = data.to(self.device).view(len(fill), *promo.shape[1:])
+            promo.index_copy_(0, slots.to(promo.device), data.to(self.device).view(len(fill), *promo.shape[1:]))
         return len(fill)
 
     @staticmethod
@@ -550,7 +550,7 @@ class TieredCache:
         for b, h in torch.unique(fill[:, :2], dim=0).tolist():
             mine = (fill[:, 0] == b) & (fill[:, 1] == h)
             vectors = self._k_vectors(layer, b, h, fill[mine][:, 2:])  # [n, max_slots, P/8]
-            self.k_promo[layer][slots[mine].to(self.k_promo[layer].device)] = vectors
+            self.k_promo[layer].index_copy_(0, slots[mine].to(self.k_promo[layer].device), vectors)
         self.counters["k_promoted"] += fill.shape[0]
         return fill.shape[0]
 

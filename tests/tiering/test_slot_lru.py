@@ -37,7 +37,7 @@ class _OneAtATime:
             self.free.append(slot)
 
 
-@pytest.mark.parametrize("n,reserved", [(6, 0), (9, 3), (1, 0)])
+@pytest.mark.parametrize("n,reserved", [(6, 0), (9, 3), (1, 0), (70, 6)])
 def test_many_at_a_time_equals_one_at_a_time(n: int, reserved: int) -> None:
     """Random rounds of (touch some held slots, take for new owners, release some): the same slots, the same
     owners evicted, the same final owners as a one-at-a-time LRU, including more owners than slots in one take."""
