@@ -53,6 +53,7 @@ from ..tiering import (
     TieredCache,
     tiered_decode_step,
 )
+from ..tiering.decode import step_deadline
 from ..tiering.frame import HEADER_BYTES
 from ..tiering.placement import DeepKeyChannels
 from .attention import SHAPES, Shape, StepData, synthetic_step, time_system
@@ -548,9 +549,9 @@ def _step_then_prefetch(q: torch.Tensor, cache: TieredCache, layer: int, codec: 
                         read: Callable[..., Any] | None) -> tuple[torch.Tensor, float]:
     """``tiered_decode_step`` with its prefetch timed apart: (out, seconds of host wall time the prefetch took,
     synchronized before and after; 0 without a prefetcher)."""
-    deadline = None if policy.deadline_ms is None else time.monotonic() + policy.deadline_ms / 1e3
+    deadline = step_deadline(policy)
     residency = cache.residency(layer)
-    out, stats = tiered_decode_step(q, cache, layer, codec, policy, None, tally, scale, read)
+    out, stats = tiered_decode_step(q, cache, layer, codec, policy, None, tally, scale, read, residency=residency)
     sync(cache.device)
     if pf is None:
         return out, 0.0

@@ -2,9 +2,8 @@
 
 The step reads within the cache's residency at the moment of the read (``TieredCache.residency``: hot planes, the
 open page, the promotion cache), counts what it capped, then lets the prefetcher promote what it asked for past
-the hot planes, for the next step of this layer. On the GPU the promotions are copies on their own stream that the
-next step's allocations see if they have landed; here they land at once (the same plan, the same caps when they
-do).
+the hot planes, for the next step of this layer. The promotions are copies made before the call returns, on the
+current stream (a copy stream of their own is not built; docs/TIERING.md, "What is next").
 
 Deadline: with ``ReadPolicy.deadline_ms`` (or ``deadline``, a ``time.monotonic()`` time) the step's prefetch brings
 from the remote tier only what arrives by the deadline, counted from the step's start; what does not is left for a
@@ -18,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kvstore import Codec, ReadPolicy
+from ..kvstore import Codec, ReadPolicy, Residency
 from ..kvstore.reference import readkv_decode
 from ..kvstore.stats import ReadStats
 from .prefetch import Prefetcher, StepTally
@@ -30,14 +29,16 @@ Read = Callable[[torch.Tensor, TieredCache, int, float | None], tuple[torch.Tens
 def tiered_decode_step(q: torch.Tensor, cache: TieredCache, layer: int, codec: Codec, policy: ReadPolicy,
                        prefetcher: Prefetcher | None = None, tally: StepTally | None = None,
                        scale: float | None = None, read: Read | None = None,
-                       deadline: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+                       deadline: float | None = None,
+                       residency: Residency | None = None) -> tuple[torch.Tensor, ReadStats]:
     """q [B, Hq, d] -> out [B, Hq, d] (float32), stats (with caps, see ``readkv_rows``); then prefetch. ``read``
     (q, cache, layer, scale) -> (out, stats) replaces the reference read (e.g. ``TritonReader.decode_tiered``).
     ``deadline`` (``time.monotonic()`` seconds; default: the step's start plus ``policy.deadline_ms``, if set):
-    remote fetches of the prefetch that do not arrive by then are skipped (the module docstring)."""
-    if deadline is None and policy.deadline_ms is not None:
-        deadline = time.monotonic() + policy.deadline_ms / 1e3
-    residency = cache.residency(layer)
+    remote fetches of the prefetch that do not arrive by then are skipped (the module docstring). ``residency``:
+    ``cache.residency(layer)`` if the caller has it already (a caller that runs the prefetch itself)."""
+    deadline = step_deadline(policy, deadline)
+    if residency is None:
+        residency = cache.residency(layer)
     if read is None:
         out, stats = readkv_decode(q, cache, layer, codec, policy, scale=scale, residency=residency)
     else:
@@ -49,3 +50,11 @@ def tiered_decode_step(q: torch.Tensor, cache: TieredCache, layer: int, codec: C
         if tally is not None:
             tally.fetched_for_next(layer, plan)
     return out, stats
+
+
+def step_deadline(policy: ReadPolicy, deadline: float | None = None) -> float | None:
+    """The step's deadline (``time.monotonic()`` seconds): ``deadline`` if given, else ``policy.deadline_ms`` from
+    now, else None."""
+    if deadline is None and policy.deadline_ms is not None:
+        return time.monotonic() + policy.deadline_ms / 1e3
+    return deadline

@@ -2,9 +2,9 @@
 
 A slot's recency is a stamp (``stamp`` [n] int64): touching slots gives them the next stamps of a clock, in the
 order given, so the last touched is the most recent; a free slot's stamp is below every held one, so free slots
-go first, the most recently released first (a stack, as a free list would be). Taking m slots is one sort: the
-m lowest stamps. Nothing here loops over items in Python, so a prefetch that keeps thousands of resident
-channel-planes a step costs a few tensor ops instead of thousands of dictionary moves.
+go first, the most recently released first (a stack, as a free list would be). Taking m slots is a top-k (or
+one sort, for many): the m lowest stamps. Nothing here loops over items in Python, so a prefetch that keeps
+thousands of resident channel-planes a step costs a few tensor ops instead of thousands of dictionary moves.
 
 Each held slot records its owner as one int64 (``owner`` [n], -1 when free): the caller's encoding of what the
 slot holds (a page id, or a flat index into a Key channel-plane table), so an eviction can clear the caller's
