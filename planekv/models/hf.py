@@ -47,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+from transformers.integrations.sdpa_attention import repeat_kv  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
@@ -845,8 +846,22 @@ def planekv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         out = pending[0]._step(layer, query, attention_mask, scale, window)  # [B, Hq, S, d]; None: the prefill
         if out is not None:
             return out.to(query.dtype).transpose(1, 2), None
+    if _expand_gqa_for_sdpa(query, key, attention_mask):
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _expand_gqa_for_sdpa(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether a dense pass of several queries should hand SDPA its K/V heads repeated to the query heads. Without a
+    mask (a causal prefill without padding) transformers' SDPA passes grouped K/V with ``enable_gqa=True``; on CUDA
+    only the flash and cuDNN kernels take that, and neither runs in float32, so PyTorch falls back to its math
+    kernel, which materializes the [B, Hq, S, S] float32 scores (SmolLM2, 32K tokens: 36 GiB each, OOM on an
+    80 GB GPU). With the heads repeated the memory-efficient kernel runs the same causal attention (K/V memory
+    x Hq/Hkv, linear in S). Half-precision (flash) and CPU passes are left to transformers."""
+    return (attention_mask is None and query.is_cuda and query.dtype == torch.float32 and query.shape[2] > 1
+            and key.shape[1] < query.shape[1] and query.shape[1] % key.shape[1] == 0)
 
 
 _REGISTERED = False
