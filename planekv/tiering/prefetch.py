@@ -163,19 +163,25 @@ class Prefetcher:
         refinement chose), page_depth [B, Hkv, slots]: sealed pages ranked by ``demand_of(wanted)`` summed over
         their tokens (Values: the planes asked for past ``hot``; Key pages: the chosen tokens), the most demanded
         first. Returns (keep, fetch), [n, 3] (b, h, page slot): keep least demanded first."""
-        demand, items, on = [], [], []
+        per_seq = []  # (b, Hkv, sealed pages, demand [Hkv, sealed] where wanted lives)
         for b, w_b in enumerate(wanted):
             hk_n, t = w_b.shape
             n_sealed = t // page_size  # the open page is always resident
-            if n_sealed == 0:
-                continue
-            d_b = demand_of(w_b[:, : n_sealed * page_size]).reshape(hk_n, n_sealed, page_size).sum(-1).cpu()
+            if n_sealed:
+                per_seq.append((b, hk_n, n_sealed, demand_of(w_b[:, : n_sealed * page_size])
+                                .reshape(hk_n, n_sealed, page_size).sum(-1).reshape(-1)))
+        if not per_seq:
+            return _none(3), _none(3)
+        flat = torch.cat([d for *_, d in per_seq]).cpu()  # one copy to the host for every sequence
+        depth = page_depth.cpu()
+        demand, items, on, at = [], [], [], 0
+        for b, hk_n, n_sealed, _ in per_seq:
+            d_b = flat[at: at + hk_n * n_sealed].view(hk_n, n_sealed)
+            at += hk_n * n_sealed
             idx = d_b.nonzero()  # [n, 2] (h, s), row-major
             demand.append(d_b[idx[:, 0], idx[:, 1]])
             items.append(torch.cat([torch.full_like(idx[:, :1], b), idx], 1))
-            on.append(page_depth[b, idx[:, 0], idx[:, 1]].cpu() > hot)
-        if not items:
-            return _none(3), _none(3)
+            on.append(depth[b, idx[:, 0], idx[:, 1]] > hot)
         demand_t, items_t, on_t = torch.cat(demand), torch.cat(items), torch.cat(on)
         order = torch.sort(-demand_t, stable=True).indices  # the most demanded first, ties in (b, h, s) order
         items_t, on_t = items_t[order], on_t[order]

@@ -530,8 +530,8 @@ class TieredCache:
         """Bring Key channel-planes (sequence b, KV head h, channel c, plane j >= h_K; a list of tuples or an [n, 4]
         tensor) back to the device, over every page of the head; returns how many were brought. Resident ones are
         touched first, in the order given, then missing ones take the least recently used slots
-        (:meth:`_touch_and_take`); slots are filled per (sequence, KV head): its pages are read from the host tier
-        once for all of its channel-planes, and copied to the device in one go."""
+        (:meth:`_touch_and_take`); a (sequence, KV head)'s pages are read from the host tier once for all of its
+        channel-planes, and every plane brought goes to the device in one copy (:meth:`_k_vectors`)."""
         hk, w = self.hot_k[layer], self.spec.width
         items = _as_items(planes, 4)  # [n, 4] (b, h, c, j)
         if not items.shape[0]:
@@ -547,10 +547,8 @@ class TieredCache:
         self.counters["k_evicted"] += evicted.numel()
         table.view(-1)[flat[taken]] = slots.to(table.dtype)
         fill = items[taken]
-        for b, h in torch.unique(fill[:, :2], dim=0).tolist():
-            mine = (fill[:, 0] == b) & (fill[:, 1] == h)
-            vectors = self._k_vectors(layer, b, h, fill[mine][:, 2:])  # [n, max_slots, P/8]
-            self.k_promo[layer].index_copy_(0, slots[mine].to(self.k_promo[layer].device), vectors)
+        if fill.shape[0]:
+            self.k_promo[layer].index_copy_(0, slots.to(self.k_promo[layer].device), self._k_vectors(layer, fill))
         self.counters["k_promoted"] += fill.shape[0]
         return fill.shape[0]
 
@@ -560,22 +558,35 @@ class TieredCache:
         b, h, c, j = items.unbind(1)
         return ((b * hk_n + h) * d + c) * planes + (j - self.hot_k[layer])
 
-    def _k_vectors(self, layer: int, b: int, h: int, items: torch.Tensor) -> torch.Tensor:
-        """Planes j of channels c (``items`` [n, 2] (c, j)) over every page of (b, h): sealed pages from the host
-        tier (read once for all items), the open one from its buffer; [n, max_slots, P/8] on the device."""
-        hk, d, p = self.hot_k[layer], self.spec.head_dim, self.spec.page_size
-        cs, js = items[:, 0], items[:, 1] - hk
-        out = torch.zeros(items.shape[0], self.max_slots, self.k_row, dtype=torch.uint8)
-        t = self.length(layer, b)
-        sealed = t // p
-        if sealed:
+    def _k_vectors(self, layer: int, items: torch.Tensor) -> torch.Tensor:
+        """Plane j of channel c over every page of (b, h), for each of ``items`` [n, 4] (b, h, c, j): [n, max_slots,
+        P/8] on the device. Sealed pages' rows come from the host tier, read once per (b, h) for all of its items
+        into one staging buffer (pinned on CUDA hosts) that goes to the device in one copy; the open pages' rows are
+        gathered on the device, where they live."""
+        hk, d, p, hk_n = self.hot_k[layer], self.spec.head_dim, self.spec.page_size, self.spec.n_kv_heads
+        n = items.shape[0]
+        cuda = self.device.type == "cuda"
+        staged = torch.zeros(n, self.max_slots, self.k_row, dtype=torch.uint8, pin_memory=cuda)
+        groups, group_of = torch.unique(items[:, :2], dim=0, return_inverse=True)  # [g, 2] (b, h), [n]
+        for g, (b, h) in enumerate(groups.tolist()):
+            sealed = self.length(layer, b) // p
+            if not sealed:
+                continue
+            mine = (group_of == g).nonzero().flatten()
+            cs, js = items[mine, 2], items[mine, 3] - hk
             # a page is [W - h_K, d, P/8]: the (plane, channel) rows of the items, gathered from each page
             rows = self.host.pages((self.sequence_ids[b], "k", layer, h), 0, sealed, rows=js * d + cs,
-                                   row_bytes=self.k_row)  # [sealed, n, P/8]
-            out[:, :sealed] = rows.transpose(0, 1)
-        if t % p:
-            out[:, sealed] = self.k_open[layer][b * self.spec.n_kv_heads + h].cpu()[js, cs]
-        return out.to(self.device)
+                                   row_bytes=self.k_row)  # [sealed, m, P/8]
+            staged[mine, :sealed] = rows.transpose(0, 1)
+        out = staged.to(self.device, non_blocking=cuda)
+        lengths = self.lengths[layer][items[:, 0]]  # [n]
+        has_open = (lengths % p).nonzero().flatten()  # items whose sequence has an open page
+        if has_open.numel():
+            b, h, c, j = items[has_open].unbind(1)
+            dev = self.k_open[layer].device
+            rows = self.k_open[layer][(b * hk_n + h).to(dev), (j - hk).to(dev), c.to(dev)]  # [m, P/8]
+            out[has_open.to(out.device), (lengths[has_open] // p).to(out.device)] = rows.to(out.device)
+        return out
 
     # ---- residency and reads ----
 
