@@ -21,13 +21,13 @@ already stored touched).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ POSIX = "posix"
 KVIKIO = "kvikio"
 BACKENDS = (POSIX, KVIKIO)
 MAX_OPEN_FILES = 64  # default bound of the open-handle cache
+KVIKIO_CHUNK_BYTES = 256 << 10  # kvikio reads larger than this go as preads of about this size, checked as they land
 
 
 def _page_checksum(data: bytes | memoryview) -> int:
@@ -79,6 +80,7 @@ class SpillTier:
         self._sizes: dict[BlockKey, int] = {}  # bytes on disk per block
         self._page_sums: dict[BlockKey, tuple[int, int, list[int]]] = {}  # (first page offset, page bytes, sums)
         self._used = 0
+        self._mru: _Handle | None = None  # the handle read last (last in self._handles while it is there)
         self._lock = threading.Lock()
         log.info("spill tier at %s: %s reads, capacity %d bytes", self.dir, self.backend, capacity_bytes)
 
@@ -124,43 +126,46 @@ class SpillTier:
             self._page_sums[key] = (page_offset, page_bytes, sums)
 
     def read_page(self, key: BlockKey, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Page ``index`` of block ``key`` (uint8 [page bytes], in ``out`` when given: host memory, pinned for
-        kvikio's fastest path), checked against its checksum; KeyError if the block is not here."""
-        offset, page_bytes, sums = self._page_sums[key]
-        if not 0 <= index < len(sums):
-            raise IndexError(f"block {key} holds {len(sums)} pages, asked for page {index}")
-        if out is None:
-            out = torch.empty(page_bytes, dtype=torch.uint8)
-        if out.dtype != torch.uint8 or out.numel() != page_bytes or out.device.type != "cpu":
-            raise ValueError(f"out must be uint8 [{page_bytes}] in host memory, got {out.dtype} "
-                             f"{tuple(out.shape)} on {out.device}")
-        self.read_pages(key, index, 1, out)  # a run of one page: the same read and check
+        """Page ``index`` of block ``key`` (uint8 [page bytes], in ``out`` when given: contiguous host memory, pinned
+        for kvikio's fastest path), checked against its checksum; KeyError if the block is not here."""
+        h, (offset, page_bytes, sums) = self._acquire(key)
+        try:
+            if not 0 <= index < len(sums):
+                raise IndexError(f"block {key} holds {len(sums)} pages, asked for page {index}")
+            if out is None:
+                out = torch.empty(page_bytes, dtype=torch.uint8)
+            bad = self._io.read(h.obj, _host_array(out, 1, page_bytes), offset + index * page_bytes, page_bytes,
+                                sums, index)
+        finally:
+            self._release(h)
+        if bad is not None:
+            raise self._corrupt(key, index)
         return out
 
     def read_pages(self, key: BlockKey, first: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Pages ``first .. first + n - 1`` of block ``key`` (uint8 [n, page bytes], in ``out`` when given: host
-        memory), each checked against its checksum; the reads are issued before any check (kvikio: one pread a page,
-        all in flight while the first are checked; POSIX: one read of the run), so checking overlaps reading.
-        KeyError if the block is not here, BlockCorrupt naming the first page that does not match."""
-        offset, page_bytes, sums = self._page_sums[key]
-        if n < 1 or first < 0 or first + n > len(sums):
-            raise IndexError(f"block {key} holds {len(sums)} pages, asked for {n} from page {first}")
-        if out is None:
-            out = torch.empty(n, page_bytes, dtype=torch.uint8)
-        if out.dtype != torch.uint8 or out.numel() != n * page_bytes or out.device.type != "cpu":
-            raise ValueError(f"out must be uint8 [{n}, {page_bytes}] in host memory, got {out.dtype} "
-                             f"{tuple(out.shape)} on {out.device}")
-        arr = out.numpy().reshape(n, page_bytes)
-        handle = self._acquire(key)
+        """Pages ``first .. first + n - 1`` of block ``key`` (uint8 [n, page bytes], in ``out`` when given: contiguous
+        host memory), each checked against its checksum. kvikio: the run is read as a few large preads (chunks of
+        about ``chunk_bytes``, a page's pieces when pages are larger), all in flight, each chunk's pages checked
+        (hashed progressively within a page) as it lands while the later chunks are still being read; POSIX: one read
+        of the run, then the checks. KeyError if the block is not here, BlockCorrupt naming the first page that does
+        not match (no bytes of a run that fails are to be used)."""
+        h, (offset, page_bytes, sums) = self._acquire(key)
         try:
-            got = self._io.pread_pages(handle.obj, arr, offset + first * page_bytes,
-                                       lambda i: _page_checksum(arr[i]) == sums[first + i])
+            if n < 1 or first < 0 or first + n > len(sums):
+                raise IndexError(f"block {key} holds {len(sums)} pages, asked for {n} from page {first}")
+            if out is None:
+                out = torch.empty(n, page_bytes, dtype=torch.uint8)
+            bad = self._io.read(h.obj, _host_array(out, n, page_bytes), offset + first * page_bytes, page_bytes,
+                                sums, first)
         finally:
-            self._release(handle)
-        if got is not None:
-            raise BlockCorrupt(f"page {first + got} of spilled block {key} at {self.path(key)} does not match what "
-                               "was written")
-        return out.view(n, page_bytes)
+            self._release(h)
+        if bad is not None:
+            raise self._corrupt(key, first + bad)
+        return out if out.shape == (n, page_bytes) else out.view(n, page_bytes)
+
+    def _corrupt(self, key: BlockKey, page: int) -> BlockCorrupt:
+        return BlockCorrupt(f"page {page} of spilled block {key} at {self.path(key)} does not match what was "
+                            "written")
 
     def read_frame(self, key: BlockKey) -> bytes:
         """The whole frame of block ``key`` (as written)."""
@@ -193,22 +198,22 @@ class SpillTier:
 
     # The handle cache. Every method below but _acquire and _release runs under self._lock.
 
-    def _acquire(self, key: BlockKey) -> _Handle:
-        """The open handle of ``key``'s file (opened and cached if it is not), marked in use; KeyError if the block
-        is not here."""
+    def _acquire(self, key: BlockKey) -> tuple[_Handle, tuple[int, int, list[int]]]:
+        """The open handle of ``key``'s file (opened and cached if it is not), marked in use, and the block's
+        (first page offset, page bytes, checksums) read under the same lock; KeyError if the block is not here."""
         with self._lock:
-            if key not in self._page_sums:
-                raise KeyError(key)
+            sums = self._page_sums[key]
             h = self._handles.get(key)
             if h is None:
                 h = _Handle(self._io.open(self.path(key)))
                 self._handles[key] = h
                 while len(self._handles) > self.max_open_files:
                     self._drop_handle(next(iter(self._handles)))
-            else:
+            elif h is not self._mru:  # the most recently used handle is last already: no reordering
                 self._handles.move_to_end(key)
+            self._mru = h
             h.users += 1
-            return h
+            return h, sums
 
     def _release(self, h: _Handle) -> None:
         with self._lock:
@@ -262,6 +267,33 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _host_array(out: torch.Tensor, n: int, page_bytes: int) -> np.ndarray:
+    """``out`` as a flat uint8 numpy view (what the reads write into) after checking it holds ``n`` pages of
+    ``page_bytes`` in contiguous host memory (ValueError if not: a read never lands in a copy)."""
+    try:
+        arr = out.numpy()  # refuses a tensor on another device
+    except (TypeError, RuntimeError):
+        arr = None
+    if arr is None or arr.dtype != np.uint8 or arr.size != n * page_bytes or not arr.flags.c_contiguous:
+        shape = f"[{n}, {page_bytes}]" if n > 1 else f"[{page_bytes}]"
+        raise ValueError(f"out must be uint8 {shape} in contiguous host memory, got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    return arr if arr.ndim == 1 else arr.reshape(-1)
+
+
+def _first_bad(buf: np.ndarray, got: int, page_bytes: int, sums: list[int], first: int) -> int | None:
+    """The first of the pages in ``buf`` (``page_bytes`` each, pages ``first ..`` of their block; ``got`` bytes of
+    it read) read short or not matching its checksum; None when every one is good."""
+    if buf.size == page_bytes:
+        return None if got == page_bytes and _page_checksum(buf) == sums[first] else 0
+    mv = memoryview(buf)
+    for i, lo in enumerate(range(0, buf.size, page_bytes)):
+        hi = lo + page_bytes
+        if got < hi or _page_checksum(mv[lo:hi]) != sums[first + i]:
+            return i
+    return None
+
+
 class _PosixIO:
     """``os.open`` once per file, ``os.preadv`` into the host tensor's numpy view."""
 
@@ -274,50 +306,99 @@ class _PosixIO:
         view = memoryview(out).cast("B")  # raises for a non-contiguous buffer (never reads into a copy)
         done = 0
         while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, [view[done:]] if done else [view], offset + done)
             if n == 0:
                 break
             done += n
         return done
 
     @classmethod
-    def pread_pages(cls, fd: int, pages: np.ndarray, offset: int, check: Callable[[int], bool]) -> int | None:
-        """``pages`` [n, page bytes] from ``offset`` in one read, then ``check`` each; the first page read short or
-        failing its check (None: every page good)."""
-        got = cls.pread(fd, pages.reshape(-1), offset)
-        page_bytes = pages.shape[1]
-        for i in range(pages.shape[0]):
-            if got < (i + 1) * page_bytes or not check(i):
-                return i
-        return None
+    def read(cls, fd: int, flat: np.ndarray, offset: int, page_bytes: int, sums: list[int], first: int) -> int | None:
+        """``flat`` (whole pages ``first ..`` of ``page_bytes``) from ``offset`` in one read, then each page checked;
+        the index in ``flat`` of the first page read short or failing its check (None: every page good)."""
+        return _first_bad(flat, cls.pread(fd, flat, offset), page_bytes, sums, first)
 
     @staticmethod
     def close(fd: int) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1024)
+def _spans(total: int, page_bytes: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """The byte ranges ``[lo, hi)`` of a run of ``total`` bytes (whole pages of ``page_bytes``) read one pread
+    each: runs of whole pages of about ``chunk`` bytes (at least one page) when pages are smaller than a chunk,
+    else each page in pieces of ``chunk`` bytes (its last piece shorter); never a range across a page boundary
+    unless it holds whole pages."""
+    if page_bytes <= chunk:
+        step = chunk // page_bytes * page_bytes
+        return tuple((lo, min(lo + step, total)) for lo in range(0, total, step))
+    return tuple((lo, min(lo + chunk, p + page_bytes)) for p in range(0, total, page_bytes)
+                 for lo in range(p, p + page_bytes, chunk))
+
+
 class _KvikioIO:
     """``kvikio.CuFile`` once per file, ``CuFile.pread`` into the host tensor's numpy view (pinned: kvikio's
-    fastest path)."""
+    fastest path). A read of at most ``chunk_bytes`` is one pread, checked once it lands; a larger one is a few
+    preads of about ``chunk_bytes`` (whole pages, or pieces of one large page), all issued at once, kvikio's thread
+    pool reading them while this thread checks those that have landed (xxhash runs without the GIL; a large page
+    is hashed piece by piece with a streaming xxh3, whose digest equals the one-shot checksum)."""
 
-    def __init__(self, kvikio: Any) -> None:
+    def __init__(self, kvikio: Any, chunk_bytes: int = KVIKIO_CHUNK_BYTES) -> None:
         self.kvikio = kvikio
+        self.chunk_bytes = chunk_bytes
 
     def open(self, path: Path) -> Any:
         return self.kvikio.CuFile(path, "r")
 
-    @staticmethod
-    def pread_pages(f: Any, pages: np.ndarray, offset: int, check: Callable[[int], bool]) -> int | None:
-        """One pread a page, all issued before the first is waited for (kvikio reads them in its thread pool), so
-        that checking page i overlaps reading the pages after it; the first page read short or failing its check."""
-        page_bytes = pages.shape[1]
-        futures = [f.pread(pages[i], size=page_bytes, file_offset=offset + i * page_bytes)
-                   for i in range(pages.shape[0])]
+    def read(self, f: Any, flat: np.ndarray, offset: int, page_bytes: int, sums: list[int],
+             first: int) -> int | None:
+        """``flat`` (whole pages ``first ..`` of ``page_bytes``) from ``offset``; the index in ``flat`` of the first
+        page read short or failing its check (None: every page good). Returns only once every pread it issued has
+        ended: none still writes into ``flat``."""
+        total = flat.size
+        if total <= self.chunk_bytes:
+            return _first_bad(flat, f.pread(flat, total, offset).get(), page_bytes, sums, first)
+        spans = _spans(total, page_bytes, self.chunk_bytes)
+        futures: list[Any] = []
+        waited = 0
         bad = None
-        for i, fut in enumerate(futures):
-            ok = int(fut.get()) == page_bytes  # every future is waited for: none still writes into ``pages``
-            if bad is None and not (ok and check(i)):
-                bad = i
+        try:
+            for lo, hi in spans:
+                futures.append(f.pread(flat[lo:hi], hi - lo, offset + lo))
+            mv = memoryview(flat)
+            pos = 0  # bytes checked (or, within a page, hashed) so far
+            stream = None  # the streaming hash of the page at ``pos`` when it is read in pieces
+            for fut, (lo, hi) in zip(futures, spans, strict=True):
+                waited += 1
+                got = fut.get()
+                if bad is not None:
+                    continue  # only waited for
+                end = lo + got
+                while pos < end:
+                    page, into = divmod(pos, page_bytes)
+                    page_end = pos - into + page_bytes
+                    if into == 0 and page_end <= end:  # a whole page landed
+                        if _page_checksum(mv[pos:page_end]) != sums[first + page]:
+                            bad = page
+                            break
+                        pos = page_end
+                        continue
+                    stop = min(page_end, end)  # a piece of a page
+                    if stream is None:
+                        stream = xxhash.xxh3_64()
+                    stream.update(mv[pos:stop])
+                    pos = stop
+                    if stop == page_end:
+                        if stream.intdigest() != sums[first + page]:
+                            bad = page
+                            break
+                        stream.reset()
+                if bad is None and got < hi - lo:
+                    bad = end // page_bytes  # read short: the page holding the first byte missing
+        finally:
+            for fut in futures[waited:]:  # a pread or a check raised: the reads still in flight end first
+                with contextlib.suppress(Exception):
+                    fut.get()
         return bad
 
     @staticmethod
