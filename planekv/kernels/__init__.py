@@ -9,7 +9,7 @@ from .config import ReaderConfig, StepChoices
 from .encode import Encoder
 from .fp8 import FP8Decode, quantize_fp8
 from .plan import Plan
-from .reader import TritonReader, readkv_decode
+from .reader import TritonReader, readkv_decode, readkv_decode_rows
 
 __all__ = ["Encoder", "FP8Decode", "Plan", "ReaderConfig", "StepChoices", "TritonReader", "quantize_fp8",
-           "readkv_decode"]
+           "readkv_decode", "readkv_decode_rows"]

@@ -399,13 +399,7 @@ class TritonReader:
         lengths = cache.lengths[layer].to(torch.int32)
         t_max = int(lengths.max())
         if plan is None:
-            plan = self._plan_cache.get((b, q.device))
-            if plan is None or plan.max_tokens < t_max:
-                # grow in steps of 4096 tokens on the GPU so decode steps re-plan rarely; of 256 in Triton's
-                # interpreter (CPU tensors), whose time grows with the planned tokens, not the stored ones
-                step = 4096 if q.device.type == "cuda" else 256
-                plan = self.plan(b, -(-t_max // step) * step, q.device)
-                self._plan_cache[(b, q.device)] = plan
+            plan = self._cached_plan(b, t_max, q.device)
         elif plan.max_tokens < t_max or plan.batch != b:
             raise ValueError(f"plan for {plan.batch} x {plan.max_tokens} tokens cannot serve {b} x {t_max}")
         pt = cache.page_table.to(device=q.device, dtype=torch.int32).contiguous()
@@ -413,6 +407,39 @@ class TritonReader:
             raise ValueError("the cache holds no pages")
         out = self.run(plan, q, cache.k_pool[layer], cache.v_pool[layer], pt, lengths.to(q.device), layer, scale)
         return out.clone(), self.stats(plan, lengths)
+
+    def decode_rows(self, q: torch.Tensor, cache: PlaneKVCache, layer: int, rows: torch.Tensor,
+                    scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+        """Several query rows per sequence in one run: q [B, Hq, R, d], rows [B, R] (int64) -> out [B, Hq, R, d]
+        (float32); row r of sequence b reads the first ``rows[b, r]`` tokens that sequence b stores, as a decode
+        step at that length would (each row a sequence of the run, sharing b's pages). A step's tokens, all
+        stored, read as causal rows. Stats per row (batch B * R, row-major)."""
+        cache.check_format(self.codec.format_id)
+        b, hq, r, d = q.shape
+        if rows.shape != (b, r):
+            raise ValueError(f"rows must be [{b}, {r}] (one length per query row), got {tuple(rows.shape)}")
+        lengths = cache.lengths[layer].to(torch.int64)
+        flat = rows.to(torch.int64).reshape(-1)  # [B * R]
+        if bool((rows < 1).any()) or bool((rows > lengths[:, None]).any()):
+            raise ValueError(f"row lengths must lie in 1..the tokens stored ({lengths.tolist()}), got "
+                             f"{rows.tolist()}")
+        plan = self._cached_plan(b * r, int(flat.max()), q.device)
+        pt = cache.page_table.to(device=q.device, dtype=torch.int32).repeat_interleave(r, 0).contiguous()
+        qv = q.transpose(1, 2).reshape(b * r, hq, d).contiguous()
+        out = self.run(plan, qv, cache.k_pool[layer], cache.v_pool[layer], pt, flat.to(torch.int32).to(q.device),
+                       layer, scale)
+        return out.clone().view(b, r, hq, d).transpose(1, 2), self.stats(plan, flat)
+
+    def _cached_plan(self, batch: int, t_max: int, device: torch.device) -> Plan:
+        """A plan for ``batch`` sequences of up to ``t_max`` tokens, kept per (batch, device) and grown in steps of
+        4096 tokens on the GPU so decode steps re-plan rarely; of 256 in Triton's interpreter (CPU tensors), whose
+        time grows with the planned tokens, not the stored ones."""
+        plan = self._plan_cache.get((batch, device))
+        if plan is None or plan.max_tokens < t_max:
+            step = 4096 if device.type == "cuda" else 256
+            plan = self.plan(batch, -(-t_max // step) * step, device)
+            self._plan_cache[(batch, device)] = plan
+        return plan
 
     def decode_tiered(self, q: torch.Tensor, cache: TieredSource, layer: int, scale: float | None = None,
                       plan: Plan | None = None) -> tuple[torch.Tensor, ReadStats]:
@@ -536,3 +563,14 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
     if reader is None:
         reader = _READERS[key] = TritonReader(codec, policy)
     return reader.decode(q, cache, layer, scale)
+
+
+def readkv_decode_rows(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
+                       rows: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
+    """:meth:`TritonReader.decode_rows` with the reader :func:`readkv_decode` keeps for this format and policy:
+    q [B, Hq, R, d], rows [B, R] (the tokens each query row reads) -> out [B, Hq, R, d], stats per row."""
+    key = (codec.format_id, policy)
+    reader = _READERS.get(key)
+    if reader is None:
+        reader = _READERS[key] = TritonReader(codec, policy)
+    return reader.decode_rows(q, cache, layer, rows, scale)

@@ -404,11 +404,13 @@ class PlaneKVHFCache(Cache):
     """
 
     # A step of S > 1 tokens after the dense prefill, or every step with dense_prefill=False (a compressed prefill,
-    # the suffix after a reused prefix), is stored whole and read as S causal rows (reference reader, untiered
-    # cache; :meth:`_read_rows`) when ``row_reads`` is on: the outputs of the token-by-token loop to float32
-    # rounding. Off: token by token, as tiered caches and the Triton reader always are. ``ROW_CHUNK`` rows a read.
+    # the suffix after a reused prefix), is stored whole and read as S causal rows (reference or Triton reader,
+    # untiered cache; :meth:`_read_rows`) when ``row_reads`` is on: the outputs of the token-by-token loop to float32
+    # rounding. Off: token by token, as tiered caches always are. ``ROW_CHUNK`` rows a reference read,
+    # ``TRITON_ROWS`` rows of every sequence a Triton run.
     row_reads: bool = True
     ROW_CHUNK = 256
+    TRITON_ROWS = 64  # rows of every sequence per Triton run (the run's plan holds B x TRITON_ROWS sequences)
 
     def __init__(self, system: KVSystem, n_layers: int, *, reader: str = "reference",
                  device: str | torch.device = "cpu", tiering: Tiering | None = None,
@@ -630,7 +632,8 @@ class PlaneKVHFCache(Cache):
 
     def _reads_rows(self) -> bool:
         """Whether a step of S > 1 tokens is stored whole and read as S causal rows (:meth:`_read_rows`): with
-        ``row_reads`` on, a ReadKV system, the reference reader and an untiered cache; else token by token."""
+        ``row_reads`` on, a ReadKV system, the reference or Triton reader and an untiered cache; else token by
+        token."""
         return _row_read_mode(self) and isinstance(self.pages, PlaneKVCache)
 
     def _read_rows(self, layer: _PlaneKVLayer, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -644,6 +647,8 @@ class PlaneKVHFCache(Cache):
         policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
         w = codec.spec.width
         first = layer.stored.shape[1] - n  # positions before the step
+        if self.reader_name == "triton" and window is None:
+            return self._read_rows_triton(i, q, scale)
         outs = []
         for b in range(q.shape[0]):
             t = self.pages.length(i, b)
@@ -664,6 +669,25 @@ class PlaneKVHFCache(Cache):
                 rows.append(out)
             outs.append(torch.cat(rows, 1))
         return torch.stack(outs)
+
+    def _read_rows_triton(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """:meth:`_read_rows` through the Triton kernels: ``TRITON_ROWS`` rows of every sequence a run, each row a
+        sequence of the run reading its own length (``TritonReader.decode_rows``). Out [B, Hq, S, d] (float32)."""
+        from ..kernels import readkv_decode_rows
+
+        assert isinstance(self.pages, PlaneKVCache)
+        n = q.shape[2]
+        lengths = self.pages.lengths[layer].to(torch.int64)  # [B] every sequence stores the step's n tokens
+        rows = lengths[:, None] - n + 1 + torch.arange(n)  # [B, n] row j reads the tokens up to its own
+        outs = []
+        for s in range(0, n, self.TRITON_ROWS):
+            e = min(n, s + self.TRITON_ROWS)
+            out, st = readkv_decode_rows(q[:, :, s:e], self.pages, layer, self.system.codec,  # type: ignore[attr-defined]
+                                         self.system.policy, rows[:, s:e], scale)  # type: ignore[attr-defined]
+            st.k_depths = st.v_depths = None  # rows of different T
+            self.tally.add(layer, st)
+            outs.append(out)
+        return torch.cat(outs, 2)
 
     def _follow_policy(self) -> None:
         """Apply the live policy's new version, if ``tiering.policy_source`` gives one, before this step reads."""
@@ -899,9 +923,9 @@ def make_cache(model: Any, system: KVSystem, batch_size: int | None = None, read
 
 
 def _row_read_mode(cache: PlaneKVHFCache) -> bool:
-    """Whether ``cache``'s settings read a step of several tokens as causal rows (``row_reads``, the reference
-    reader, no tiering): known before its first step, so page keys can carry it."""
-    return cache.row_reads and cache.reader_name == "reference" and cache.tiering is None
+    """Whether ``cache``'s settings read a step of several tokens as causal rows (``row_reads``, the reference or
+    Triton reader, no tiering): known before its first step, so page keys can carry it."""
+    return cache.row_reads and cache.reader_name in ("reference", "triton") and cache.tiering is None
 
 
 def prefix_producer(cache: PlaneKVHFCache) -> str:

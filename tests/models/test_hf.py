@@ -194,3 +194,51 @@ def test_other_architectures_decode_through_planekv(arch):
     full = _decode_logits(model, hf.make_cache(model, ReadKV(codec, ReadPolicy.flexible(8.0))), ids, 3)
     for d, f in zip(dense, full, strict=True):
         assert float((f - d).norm() / d.norm()) < 2e-2
+
+
+def test_triton_reads_a_step_of_several_tokens_as_causal_rows(gemma, monkeypatch):
+    """With the Triton reader a step of several tokens (here a compressed prefill of 20 tokens, then a step of 5)
+    is stored whole and read as causal rows in one run (``TritonReader.decode_rows``): the logits of the
+    token-by-token reads (``row_reads`` off) to float32 rounding, at the same logical read (Gemma3's full-attention
+    layer; its sliding-window layers read rows through the reference)."""
+    from planekv.kernels import TritonReader
+
+    model, codec = gemma
+    pol = ReadPolicy.flexible(3.0)
+    ids = _prompt(25)
+    runs = []
+    decode_rows = TritonReader.decode_rows
+    monkeypatch.setattr(TritonReader, "decode_rows", lambda self, q, *a, **k: runs.append(q.shape[2]) or
+                        decode_rows(self, q, *a, **k))
+    logits, tallies = [], []
+    for rows in (True, False):
+        cache = hf.make_cache(model, ReadKV(codec, pol), reader="triton", dense_prefill=False)
+        cache.row_reads = rows
+        with torch.no_grad():
+            first = model(ids[:, :20], past_key_values=cache, use_cache=True).logits[0]
+            step = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits[0]
+        logits.append(torch.cat([first, step]))
+        tallies.append(cache.tally.bits_per_scalar)
+    rows_out, tokens_out = logits
+    assert runs == [20, 5]  # the full-attention layer: one run of rows a step
+    assert float((rows_out - tokens_out).norm() / tokens_out.norm()) < 1e-4
+    assert tallies[0] == pytest.approx(tallies[1], rel=1e-6)
+    assert hf.prefix_producer(cache) != hf.prefix_producer(hf.make_cache(model, ReadKV(codec, pol), reader="triton",
+                                                                         dense_prefill=False))
+
+
+def test_triton_row_reads_refuse_rows_past_the_stored_tokens(gemma):
+    """A row asking for more tokens than its sequence stores (or none) is refused, naming the stored lengths."""
+    from planekv.kernels import TritonReader
+    from planekv.kvstore import PlaneKVCache
+
+    model, codec = gemma
+    cache = PlaneKVCache(codec.spec, 1)
+    k = torch.randn(codec.spec.n_kv_heads, 8, codec.spec.head_dim)
+    cache.append(0, codec.encode_k(k, 0), codec.encode_v(k, 0), seq=0)
+    q = torch.randn(1, codec.spec.n_q_heads, 2, codec.spec.head_dim)
+    reader = TritonReader(codec, ReadPolicy.flexible(3.0))
+    with pytest.raises(ValueError, match="row lengths must lie in 1..the tokens stored"):
+        reader.decode_rows(q, cache, 0, torch.tensor([[8, 9]]))
+    with pytest.raises(ValueError, match="rows must be"):
+        reader.decode_rows(q, cache, 0, torch.tensor([[8]]))
