@@ -6,7 +6,9 @@
 #   bash benchmarks/system_gpu_check.sh "$OUT" [STAGE...]     # stages: stack spill decode prefix (default all)
 #
 # stack  : `planekv up --workers 1 --reader triton`, status, a generation on the GPU worker, a perplexity window
-#          over an evaluation worker beside it (`--address stack`), `planekv down`, and what is left running
+#          and 4 passkey trials at 8K over an evaluation worker beside it (`--address stack`), the same two in one
+#          process on the GPU compared row by row (benchmarks/tools/compare_eval.py), `planekv down`, and what is
+#          left running
 # spill  : the spill tier's kvikio reads against a plain kvikio loop (pages, runs, blocks; BENCHMARKS.md)
 # decode : decode steps at B = 1 T = 131072 with the refinement planes in host memory and in spill files
 # prefix : time to first token of a reused 32K prefix against a fresh prefill (SmolLM2, Triton reader)
@@ -34,6 +36,16 @@ print(c.generate(['Name three colours.'], max_new_tokens=16, rate=2.0))"
   python -m planekv.cli eval perplexity --workers 1 --address stack --device cuda --out "$out/ppl" --window 512 \
     --windows 1
   local rc=$?
+  local cal; cal=$(ls "$out"/ppl/calibration-*.pt | head -1)
+  python -m planekv.cli eval passkey --workers 1 --address stack --device cuda --out "$out/pk" --calibration "$cal" \
+    --contexts 8192 --trials 4 --systems dense readkv-flexible --rates 2 --reader triton || rc=1
+  # the same two evaluations in one process on the same GPU, with the same calibration: the tables must agree
+  python -m planekv.cli eval perplexity --device cuda --out "$out/ppl1" --window 512 --windows 1 --calibration "$cal" \
+    || rc=1
+  python -m planekv.cli eval passkey --device cuda --out "$out/pk1" --calibration "$cal" --contexts 8192 --trials 4 \
+    --systems dense readkv-flexible --rates 2 --reader triton || rc=1
+  python benchmarks/tools/compare_eval.py "$out/ppl/perplexity.json" "$out/ppl1/perplexity.json" || rc=1
+  python benchmarks/tools/compare_eval.py "$out/pk/passkey.json" "$out/pk1/passkey.json" || rc=1
   python -m planekv.cli down
   sleep 2
   echo "left running after down:"; ps -eo pid,stat,cmd | grep -E "redis-server|raylet|gcs_server|uvicorn|ray::" \
