@@ -558,19 +558,20 @@ def readkv_decode(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec
                   scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
     """Drop-in for planekv.kvstore.reference.readkv_decode through the Triton kernels (one reader and its plans
     kept per format and policy)."""
-    key = (codec.format_id, policy)
-    reader = _READERS.get(key)
-    if reader is None:
-        reader = _READERS[key] = TritonReader(codec, policy)
-    return reader.decode(q, cache, layer, scale)
+    return _reader_for(codec, policy).decode(q, cache, layer, scale)
 
 
 def readkv_decode_rows(q: torch.Tensor, cache: PlaneKVCache, layer: int, codec: Codec, policy: ReadPolicy,
                        rows: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, ReadStats]:
     """:meth:`TritonReader.decode_rows` with the reader :func:`readkv_decode` keeps for this format and policy:
     q [B, Hq, R, d], rows [B, R] (the tokens each query row reads) -> out [B, Hq, R, d], stats per row."""
+    return _reader_for(codec, policy).decode_rows(q, cache, layer, rows, scale)
+
+
+def _reader_for(codec: Codec, policy: ReadPolicy) -> TritonReader:
+    """The reader kept for this format and policy (made on first use)."""
     key = (codec.format_id, policy)
     reader = _READERS.get(key)
     if reader is None:
         reader = _READERS[key] = TritonReader(codec, policy)
-    return reader.decode_rows(q, cache, layer, rows, scale)
+    return reader

@@ -197,7 +197,7 @@ def test_other_architectures_decode_through_planekv(arch):
 
 
 def test_triton_reads_a_step_of_several_tokens_as_causal_rows(gemma, monkeypatch):
-    """With the Triton reader a step of several tokens (here a compressed prefill of 20 tokens, then a step of 5)
+    """With the Triton reader a step of several tokens (here a compressed prefill of 9 tokens, then a step of 3)
     is stored whole and read as causal rows in one run (``TritonReader.decode_rows``): the logits of the
     token-by-token reads (``row_reads`` off) to float32 rounding, at the same logical read (Gemma3's full-attention
     layer; its sliding-window layers read rows through the reference)."""
@@ -205,7 +205,7 @@ def test_triton_reads_a_step_of_several_tokens_as_causal_rows(gemma, monkeypatch
 
     model, codec = gemma
     pol = ReadPolicy.flexible(3.0)
-    ids = _prompt(25)
+    ids = _prompt(12)
     runs = []
     decode_rows = TritonReader.decode_rows
     monkeypatch.setattr(TritonReader, "decode_rows", lambda self, q, *a, **k: runs.append(q.shape[2]) or
@@ -215,12 +215,12 @@ def test_triton_reads_a_step_of_several_tokens_as_causal_rows(gemma, monkeypatch
         cache = hf.make_cache(model, ReadKV(codec, pol), reader="triton", dense_prefill=False)
         cache.row_reads = rows
         with torch.no_grad():
-            first = model(ids[:, :20], past_key_values=cache, use_cache=True).logits[0]
-            step = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits[0]
+            first = model(ids[:, :9], past_key_values=cache, use_cache=True).logits[0]
+            step = model(ids[:, 9:], past_key_values=cache, use_cache=True).logits[0]
         logits.append(torch.cat([first, step]))
         tallies.append(cache.tally.bits_per_scalar)
     rows_out, tokens_out = logits
-    assert runs == [20, 5]  # the full-attention layer: one run of rows a step
+    assert runs == [9, 3]  # the full-attention layer: one run of rows a step
     assert float((rows_out - tokens_out).norm() / tokens_out.norm()) < 1e-4
     assert tallies[0] == pytest.approx(tallies[1], rel=1e-6)
     assert hf.prefix_producer(cache) != hf.prefix_producer(hf.make_cache(model, ReadKV(codec, pol), reader="triton",
