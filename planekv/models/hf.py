@@ -640,15 +640,16 @@ class PlaneKVHFCache(Cache):
         """The step's S queries q [B, Hq, S, d] (its tokens all stored, none of them padding) read as S causal rows
         of ``reference.readkv_rows``, ``ROW_CHUNK`` rows at a time: row j reads the stored tokens up to its own
         (its sliding window), with its own budget and depths, as the token-by-token step reads it. Out
-        [B, Hq, S, d] (float32)."""
+        [B, Hq, S, d] (float32). With the Triton reader a full-attention layer's rows go to the kernels
+        (:meth:`_read_rows_triton`); sliding-window layers read here."""
         i, n = layer.layer_idx, q.shape[2]
+        if self.reader_name == "triton" and window is None:
+            return self._read_rows_triton(i, q, scale)
         assert isinstance(self.pages, PlaneKVCache)
         codec: Codec = self.system.codec  # type: ignore[attr-defined]
         policy: ReadPolicy = self.system.policy  # type: ignore[attr-defined]
         w = codec.spec.width
         first = layer.stored.shape[1] - n  # positions before the step
-        if self.reader_name == "triton" and window is None:
-            return self._read_rows_triton(i, q, scale)
         outs = []
         for b in range(q.shape[0]):
             t = self.pages.length(i, b)
