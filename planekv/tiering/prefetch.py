@@ -163,26 +163,24 @@ class Prefetcher:
         refinement chose), page_depth [B, Hkv, slots]: sealed pages ranked by ``demand_of(wanted)`` summed over
         their tokens (Values: the planes asked for past ``hot``; Key pages: the chosen tokens), the most demanded
         first. Returns (keep, fetch), [n, 3] (b, h, page slot): keep least demanded first."""
-        per_seq = []  # (b, Hkv, sealed pages, demand [Hkv, sealed] where wanted lives)
-        for b, w_b in enumerate(wanted):
-            hk_n, t = w_b.shape
-            n_sealed = t // page_size  # the open page is always resident
-            if n_sealed:
-                per_seq.append((b, hk_n, n_sealed, demand_of(w_b[:, : n_sealed * page_size])
-                                .reshape(hk_n, n_sealed, page_size).sum(-1).reshape(-1)))
-        if not per_seq:
+        sealed = [w_b.shape[1] // page_size for w_b in wanted]  # the open page is always resident
+        n_sealed = max(sealed, default=0)
+        if not n_sealed:
             return _none(3), _none(3)
-        flat = torch.cat([d for *_, d in per_seq]).cpu()  # one copy to the host for every sequence
-        depth = page_depth.cpu()
-        demand, items, on, at = [], [], [], 0
-        for b, hk_n, n_sealed, _ in per_seq:
-            d_b = flat[at: at + hk_n * n_sealed].view(hk_n, n_sealed)
-            at += hk_n * n_sealed
-            idx = d_b.nonzero()  # [n, 2] (h, s), row-major
-            demand.append(d_b[idx[:, 0], idx[:, 1]])
-            items.append(torch.cat([torch.full_like(idx[:, :1], b), idx], 1))
-            on.append(depth[b, idx[:, 0], idx[:, 1]] > hot)
-        demand_t, items_t, on_t = torch.cat(demand), torch.cat(items), torch.cat(on)
+        hk_n, dev = wanted[0].shape[0], wanted[0].device
+        # demand [B, Hkv, pages] on the wants' device (zero past a sequence's sealed pages), one copy to the host
+        if all(s == n_sealed for s in sealed):
+            w = torch.stack([w_b[:, : n_sealed * page_size] for w_b in wanted])  # [B, Hkv, pages x P]
+            demand = demand_of(w).reshape(len(wanted), hk_n, n_sealed, page_size).sum(-1)
+        else:
+            demand = torch.zeros(len(wanted), hk_n, n_sealed, dtype=torch.int64, device=dev)
+            for b, (w_b, s_b) in enumerate(zip(wanted, sealed, strict=True)):
+                if s_b:
+                    demand[b, :, :s_b] = demand_of(w_b[:, : s_b * page_size]).reshape(hk_n, s_b, page_size).sum(-1)
+        demand = demand.cpu()
+        items_t = demand.nonzero()  # [n, 3] (b, h, s), row-major
+        b, h, s = items_t.unbind(1)
+        demand_t, on_t = demand[b, h, s], page_depth.cpu()[b, h, s] > hot
         order = torch.sort(-demand_t, stable=True).indices  # the most demanded first, ties in (b, h, s) order
         items_t, on_t = items_t[order], on_t[order]
         keep = items_t[on_t].flip(0)

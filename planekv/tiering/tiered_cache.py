@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kvstore import FormatSpec, PlaneKVError, Residency
@@ -560,24 +561,26 @@ class TieredCache:
 
     def _k_vectors(self, layer: int, items: torch.Tensor) -> torch.Tensor:
         """Plane j of channel c over every page of (b, h), for each of ``items`` [n, 4] (b, h, c, j): [n, max_slots,
-        P/8] on the device. Sealed pages' rows come from the host tier, read once per (b, h) for all of its items
-        into one staging buffer (pinned on CUDA hosts) that goes to the device in one copy; the open pages' rows are
-        gathered on the device, where they live."""
+        P/8] on the device. Sealed pages' rows come from the host tier (:meth:`HostTier.gather_rows`, one call per
+        (b, h) for all of its items) into one staging buffer (pinned on CUDA hosts) that goes to the device in one
+        copy; the open pages' rows are gathered on the device, where they live."""
         hk, d, p, hk_n = self.hot_k[layer], self.spec.head_dim, self.spec.page_size, self.spec.n_kv_heads
         n = items.shape[0]
         cuda = self.device.type == "cuda"
         staged = torch.zeros(n, self.max_slots, self.k_row, dtype=torch.uint8, pin_memory=cuda)
-        groups, group_of = torch.unique(items[:, :2], dim=0, return_inverse=True)  # [g, 2] (b, h), [n]
-        for g, (b, h) in enumerate(groups.tolist()):
-            sealed = self.length(layer, b) // p
-            if not sealed:
+        out_np, it = staged.numpy(), items.cpu().numpy()
+        head = it[:, 0] * hk_n + it[:, 1]  # [n] the (b, h) of each item
+        order = np.argsort(head, kind="stable")
+        heads, starts = np.unique(head[order], return_index=True)
+        row = (it[:, 3] - hk) * d + it[:, 2]  # [n] a page is [W - h_K, d, P/8]: the item's (plane, channel) row
+        sealed_of = (self.lengths[layer] // p).numpy()  # [B]
+        for g, hb in enumerate(heads.tolist()):
+            b, h = divmod(hb, hk_n)
+            if not sealed_of[b]:
                 continue
-            mine = (group_of == g).nonzero().flatten()
-            cs, js = items[mine, 2], items[mine, 3] - hk
-            # a page is [W - h_K, d, P/8]: the (plane, channel) rows of the items, gathered from each page
-            rows = self.host.pages((self.sequence_ids[b], "k", layer, h), 0, sealed, rows=js * d + cs,
-                                   row_bytes=self.k_row)  # [sealed, m, P/8]
-            staged[mine, :sealed] = rows.transpose(0, 1)
+            mine = order[starts[g]: starts[g + 1] if g + 1 < len(starts) else n]
+            self.host.gather_rows((self.sequence_ids[b], "k", layer, h), int(sealed_of[b]), row[mine], self.k_row,
+                                  out_np, mine)
         out = staged.to(self.device, non_blocking=cuda)
         lengths = self.lengths[layer][items[:, 0]]  # [n]
         has_open = (lengths % p).nonzero().flatten()  # items whose sequence has an open page

@@ -1,6 +1,7 @@
 """The host tier holds what it stores: an open block grows as pages arrive, a full block is sealed as a frame, and
 a page that does not fit is refused with nothing lost."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,8 +75,10 @@ def test_a_run_of_pages_reads_as_the_pages_one_by_one_in_memory_and_spilled(tmp_
         tier.pages(STREAM, 15, 10)  # pages 20..24 were never stored
     with pytest.raises(KeyError):
         tier.pages(("seq-9", "k", 0, 0), 0, 1)
-    # some rows of each page (a page as 64 rows of 16 bytes), from memory and from files: those rows, in that order
-    rows = torch.tensor([63, 0, 7, 7, 20])
+    # gather_rows: some rows of each page (a page as 64 rows of 16 bytes), from memory and from files, each into
+    # its destination item; the items not named stay untouched
+    rows = np.array([63, 0, 7, 7, 20])
+    dest = np.array([4, 0, 6, 2, 3])
     varied = [torch.arange(PAGE, dtype=torch.uint8) + i for i in range(20)]
     tier2 = HostTier("0123456789abcdef", capacity_bytes=2 * (HEADER_BYTES + 8 * PAGE) + 4096,
                      block_bytes=HEADER_BYTES + 8 * PAGE, spill=SpillTier(tmp_path / "rows", 64 << 20, backend="posix"))
@@ -83,10 +86,15 @@ def test_a_run_of_pages_reads_as_the_pages_one_by_one_in_memory_and_spilled(tmp_
         tier2.put_page(STREAM, i, (4, 8), varied[i])
     assert tier2.spilled_bytes > 0
     before = tier2.read_bytes["host"]
-    got = tier2.pages(STREAM, 2, 17, rows=rows, row_bytes=16)  # [17, 5, 16]
-    assert torch.equal(got, torch.stack([varied[i].view(64, 16)[rows] for i in range(2, 19)]))
-    in_memory = sum(1 for i in range(2, 19) if i >= 8)  # pages 0..7 were spilled, the rest are in memory
+    out = np.full((7, 21, 16), 255, dtype=np.uint8)
+    tier2.gather_rows(STREAM, 19, rows, 16, out, dest)
+    for r, i in zip(rows, dest, strict=True):
+        assert np.array_equal(out[i, :19], np.stack([varied[p].view(64, 16)[r].numpy() for p in range(19)]))
+    assert (out[[1, 5]] == 255).all() and (out[:, 19:] == 255).all()  # other items and pages untouched
+    in_memory = sum(1 for i in range(19) if i >= 8)  # pages 0..7 were spilled, the rest are in memory
     assert tier2.read_bytes["host"] - before == in_memory * 5 * 16  # only the rows were copied out of memory
     with pytest.raises(ValueError, match="row_bytes"):
-        tier2.pages(STREAM, 0, 1, rows=rows, row_bytes=24)
+        tier2.gather_rows(STREAM, 1, rows, 24, out, dest)
+    with pytest.raises(KeyError):
+        tier2.gather_rows(STREAM, 21, rows, 16, out, dest)  # page 20 was never stored
     spill.close()
