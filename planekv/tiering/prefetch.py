@@ -168,15 +168,13 @@ class Prefetcher:
         if not n_sealed:
             return _none(3), _none(3)
         hk_n, dev = wanted[0].shape[0], wanted[0].device
-        # demand [B, Hkv, pages] on the wants' device (zero past a sequence's sealed pages), one copy to the host
-        if all(s == n_sealed for s in sealed):
-            w = torch.stack([w_b[:, : n_sealed * page_size] for w_b in wanted])  # [B, Hkv, pages x P]
-            demand = demand_of(w).reshape(len(wanted), hk_n, n_sealed, page_size).sum(-1)
-        else:
-            demand = torch.zeros(len(wanted), hk_n, n_sealed, dtype=torch.int64, device=dev)
-            for b, (w_b, s_b) in enumerate(zip(wanted, sealed, strict=True)):
-                if s_b:
-                    demand[b, :, :s_b] = demand_of(w_b[:, : s_b * page_size]).reshape(hk_n, s_b, page_size).sum(-1)
+        # demand [B, Hkv, pages] (zero past a sequence's sealed pages), reduced a sequence at a time where its wants
+        # live (stacking the wants first would copy them all; BENCHMARKS.md, "Prefetch's host time"), then one
+        # nonzero and one sort over every sequence
+        demand = torch.zeros(len(wanted), hk_n, n_sealed, dtype=torch.int64, device=dev)
+        for b, (w_b, s_b) in enumerate(zip(wanted, sealed, strict=True)):
+            if s_b:
+                demand[b, :, :s_b] = demand_of(w_b[:, : s_b * page_size]).reshape(hk_n, s_b, page_size).sum(-1)
         demand = demand.cpu()
         items_t = demand.nonzero()  # [n, 3] (b, h, s), row-major
         b, h, s = items_t.unbind(1)
