@@ -385,12 +385,8 @@ class HostTier:
         time where :meth:`page` goes a page at a time (a Key channel-plane needs every page of its head); the same
         counts and errors as :meth:`page` (KeyError for a page not held); :meth:`gather_rows` reads some rows of
         each page."""
-        if n < 1:
-            raise ValueError(f"pages: n must be >= 1, got {n}")
         with self._lock:
-            st = self._streams.get(stream)
-            if st is None:
-                raise KeyError(f"the host tier holds no page {first} of {stream}")
+            st = self._stream_of(stream, first, n, "pages")
             out = torch.empty(n, st.page_bytes, dtype=torch.uint8)
             done = 0
             for blk in st.blocks:
@@ -413,15 +409,11 @@ class HostTier:
                     dest: np.ndarray) -> None:
         """Rows ``rows`` [m] (each page seen as [page bytes / row_bytes, row_bytes]) of pages ``0 .. n - 1`` of
         ``stream`` into ``out[dest[i], page] = row rows[i]`` (``out``: uint8 [items, >= n, row_bytes], ``dest`` [m]
-        int64): :meth:`pages` with ``rows``, written in place with numpy, whose indexing costs a few microseconds
-        where torch's costs tens (a prefetch gathers the Key channel-planes of a hundred heads a step). The same
-        counts and errors as :meth:`pages`."""
-        if n < 1:
-            raise ValueError(f"gather_rows: n must be >= 1, got {n}")
+        int64): Key channel-planes' rows of every page, written in place with numpy, whose indexing costs a few
+        microseconds where torch's costs tens (a prefetch gathers the Key channel-planes of a hundred heads a step).
+        The same counts and errors as :meth:`pages`."""
         with self._lock:
-            st = self._streams.get(stream)
-            if st is None:
-                raise KeyError(f"the host tier holds no page 0 of {stream}")
+            st = self._stream_of(stream, 0, n, "gather_rows")
             if row_bytes < 1 or st.page_bytes % row_bytes:
                 raise ValueError(f"gather_rows: row_bytes must divide the page's {st.page_bytes} bytes, got "
                                  f"{row_bytes}")
@@ -444,6 +436,15 @@ class HostTier:
                 done += hi - lo
             if done != n:
                 raise KeyError(f"the host tier holds {done} of pages 0..{n - 1} of {stream}")
+
+    def _stream_of(self, stream: StreamKey, first: int, n: int, what: str) -> _Stream:
+        """The stream a read of ``n`` pages from ``first`` asks for (ValueError for n < 1, KeyError if not held)."""
+        if n < 1:
+            raise ValueError(f"{what}: n must be >= 1, got {n}")
+        st = self._streams.get(stream)
+        if st is None:
+            raise KeyError(f"the host tier holds no page {first} of {stream}")
+        return st
 
     def _run(self, st: _Stream, blk: _Block, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pages ``lo .. hi - 1`` (page slots of the stream) of ``blk``, uint8 [(hi - lo) x page bytes]: a view of
