@@ -422,17 +422,12 @@ class HostTier:
                 lo, hi = blk.first_slot, min(n, blk.first_slot + blk.n_pages)
                 if lo >= hi:
                     continue
-                if blk.buf is not None:  # memory: rows straight from the block's bytes
-                    off = HEADER_BYTES + (lo - blk.first_slot) * st.page_bytes
-                    src = blk.buf.numpy()[off: off + (hi - lo) * st.page_bytes].reshape(hi - lo, -1, row_bytes)
-                    self._reads += 1
-                    blk.last_read = self._reads
+                in_memory = blk.buf is not None
+                run = self._run(st, blk, lo, hi)
+                assert run is not None
+                out[dest, lo:hi] = run.numpy().reshape(hi - lo, -1, row_bytes)[:, rows].swapaxes(0, 1)
+                if in_memory:  # only the rows were copied out of host memory
                     self.read_bytes["host"] += (hi - lo) * rows.size * row_bytes
-                else:
-                    run = self._run(st, blk, lo, hi)
-                    assert run is not None
-                    src = run.numpy().reshape(hi - lo, -1, row_bytes)
-                out[dest, lo:hi] = src[:, rows].swapaxes(0, 1)
                 done += hi - lo
             if done != n:
                 raise KeyError(f"the host tier holds {done} of pages 0..{n - 1} of {stream}")
