@@ -6,8 +6,9 @@
 The workload of ``planekv bench tiering --timing`` (``planekv.bench.tiering._time_tiered``): synthetic K/V of the
 shape in a TieredCache at hot depth ``--hot``, drifting queries, the Triton tiered read (the torch reference with
 ``--reader reference``, for a plumbing run on the CPU at a small ``--shape``). After ``--warm`` steps it profiles
-``--steps`` prefetches: the plan alone (timed apart), the whole run (cProfile, top functions by cumulative and own
-time), and one run under torch.profiler (host ops by self CPU time). Printed; with ``--out`` also written there.
+``--steps`` steps and prefetches: the step's host wall time (read, stats, tally), the plan alone (timed apart),
+the whole run (cProfile, top functions by cumulative and own time), and one step and one run under torch.profiler
+(host ops by self CPU time). Printed; with ``--out`` also written there.
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def main() -> None:
     for _ in range(args.warm):
         stats, residency = step()
         tally.fetched_for_next(0, pf.run(cache, 0, stats, residency))
-    plan_s, run_s = [], []
+    plan_s, run_s, step_s = [], [], []
     prof = cProfile.Profile()
     for _ in range(args.steps):
+        t0 = time.perf_counter()
         stats, residency = step()
+        step_s.append(time.perf_counter() - t0)
         k_slots, v_slots = cache.promotion_slots(0)
         t0 = time.perf_counter()
         pf.plan(stats, residency, cache.hot_k[0], cache.hot_v[0], codec.spec.page_size, k_slots, v_slots,
@@ -92,20 +95,23 @@ def main() -> None:
         say(f"step: plan {1e3 * plan_s[-1]:.1f} ms, run {1e3 * run_s[-1]:.1f} ms; fetch K {p.k_fetch.shape[0]} "
             f"keep K {p.k_keep.shape[0]}, fetch V {p.v_fetch.shape[0]} keep V {p.v_keep.shape[0]}, "
             f"fetch KP {p.kp_fetch.shape[0]} keep KP {p.kp_keep.shape[0]}")
-    say(f"median: plan {1e3 * statistics.median(plan_s):.1f} ms, run (plan + promotions) "
-        f"{1e3 * statistics.median(run_s):.1f} ms over {args.steps} steps ({args.shape}, {args.policy}, h = "
+    say(f"median: step (read, stats, tally) {1e3 * statistics.median(step_s):.1f} ms, plan "
+        f"{1e3 * statistics.median(plan_s):.1f} ms, run (plan + promotions) {1e3 * statistics.median(run_s):.1f} ms "
+        f"over {args.steps} steps ({args.shape}, {args.policy}, h = "
         f"{args.hot}, {dev.type})")
     for key in ("cumulative", "tottime"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
         say(buf.getvalue())
-    stats, residency = step()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda"
                                                     else [])
     with torch.profiler.profile(activities=acts) as tp:
+        stats, residency = step()
+    say("one step (read, stats, tally):\n" + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    with torch.profiler.profile(activities=acts) as tp:
         pf.run(cache, 0, stats, residency)
         sync(dev)
-    say(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    say("one prefetch:\n" + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "profile-prefetch.txt").write_text(report.getvalue())

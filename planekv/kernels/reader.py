@@ -466,61 +466,76 @@ class TritonReader:
         """:meth:`stats` of a tiered run: depths read (capped at the residency), the allocation's depths
         (``k_wanted`` / ``v_wanted``), caps in bits and the bits asked for, as the reference reports them; with Key
         refinement the chosen tokens (``kr_wanted``, the choice is the unlimited one), those read at depth W
-        (``kr_full``), their caps (``kr_caps``) and what they cost without a limit (``kr_wanted_bits``)."""
+        (``kr_full``), their caps (``kr_caps``) and what they cost without a limit (``kr_wanted_bits``).
+
+        Counted on the read's device; on the host: the [B] sums, ``k_depths`` and ``k_wanted`` [B, Hkv, d]. The
+        per-token tensors stay on the device (``v_depths`` [B, Hkv, T]; the per-sequence ``v_wanted``,
+        ``v_depths``, ``kr_wanted``, ``kr_full`` [Hkv, T_b] and ``k_refined`` [B, Hkv, T]): prefetch and the tally
+        reduce them to pages there (``planekv.tiering.demand``)."""
         spec = self.codec.spec
-        want = self.stats(plan, lengths)
-        k_max = pools.k_max.cpu().to(torch.int64)
-        k_read = torch.minimum(want.k_depths, k_max)
-        p, w = spec.page_size, spec.width
-        pt = page_table.cpu().clamp_min(0).to(torch.int64)  # [B, Hkv, S]
-        slots = pools.v_slot.cpu().to(torch.int64)[pt]
-        page_depth = torch.where(slots >= 0, spec.width, pools.hot_v)
+        dev = plan.kdep.device
+        p, w, d = spec.page_size, spec.width, spec.head_dim
+        n_tok = lengths.to(device=dev, dtype=torch.int64)  # [B]
+        kdep, vdep = self._depths(plan, n_tok)  # [B, Hkv, d], [B, Hkv, T] wanted (the allocation, unlimited)
+        k_max = pools.k_max.to(device=dev, dtype=torch.int64)  # [B, Hkv, d] resident Key depth per channel
+        k_read = torch.minimum(kdep, k_max)
+        pt = page_table.to(device=dev, dtype=torch.int64).clamp_min(0)  # [B, Hkv, S]
+        page_depth = torch.where(pools.v_slot.to(dev)[pt] >= 0, w, pools.hot_v)  # [B, Hkv, S] resident V depth
         cap = page_depth.repeat_interleave(p, dim=2)[:, :, : plan.max_tokens]
-        cap = torch.nn.functional.pad(cap, (0, plan.max_tokens - cap.shape[2]))
-        v_read = torch.minimum(want.v_depths, cap)
-        n_tok = lengths.to(torch.int64).cpu().double()
-        d = spec.head_dim
-        k_bits = n_tok * k_read.sum((1, 2)).double()
-        v_bits = d * v_read.sum((1, 2)).double()
-        k_caps = n_tok * (want.k_depths - k_read).sum((1, 2)).double()
-        v_caps = want.v_bits - v_bits
+        cap = torch.nn.functional.pad(cap, (0, plan.max_tokens - cap.shape[2]))  # [B, Hkv, T]
+        v_read = torch.minimum(vdep, cap)
+        k_bits = n_tok * k_read.sum((1, 2))  # [B] int64 until the transfer below
+        v_bits = d * v_read.sum((1, 2))
+        k_caps = n_tok * (kdep - k_read).sum((1, 2))
+        v_caps = d * vdep.sum((1, 2)) - v_bits
+        kr_caps = kr_wanted_bits = torch.zeros_like(k_caps)
         t_list = [int(t) for t in lengths.tolist()]
         extra: dict = {}
-        kr_caps = torch.zeros_like(k_caps)
         if self.refine:
-            refined = want.extra["k_refined"]  # [B, Hkv, T]
-            kp = pools.kp_slot.cpu().to(torch.int64)[pt] >= 0  # [B, Hkv, S]: Key page on the device
+            refined = self._refined(plan)  # [B, Hkv, T] bool, on the device
+            kp = pools.kp_slot.to(dev)[pt] >= 0  # [B, Hkv, S]: Key page on the device
             whole = kp.repeat_interleave(p, dim=2)[:, :, : plan.max_tokens]
             whole = torch.nn.functional.pad(whole, (0, plan.max_tokens - whole.shape[2]))
             cost_w = (w - k_read).sum(-1)  # [B, Hkv] bits of a token at depth W
             cost_r = (k_max - k_read).sum(-1)  # at the channels' resident depths
             n_full = (refined & whole).sum(-1)
             n_cap = (refined & ~whole).sum(-1)
-            k_bits = k_bits + (n_full * cost_w + n_cap * cost_r).sum(-1).double()
-            kr_caps = (n_cap * (w - k_max).sum(-1)).sum(-1).double()
-            extra.update(k_refined=refined, kr_caps=kr_caps,
-                         kr_wanted=[refined[b, :, :t] for b, t in enumerate(t_list)],
-                         kr_full=[(refined & whole)[b, :, :t] for b, t in enumerate(t_list)],
-                         kr_wanted_bits=(refined.sum(-1) * cost_w).sum(-1).double())
-        extra.update({"k_wanted": want.k_depths, "v_wanted": [want.v_depths[b, :, :t] for b, t in enumerate(t_list)],
+            k_bits = k_bits + (n_full * cost_w + n_cap * cost_r).sum(-1)
+            kr_caps = (n_cap * (w - k_max).sum(-1)).sum(-1)
+            kr_wanted_bits = (refined.sum(-1) * cost_w).sum(-1)
+            extra.update(k_refined=refined, kr_wanted=[refined[b, :, :t] for b, t in enumerate(t_list)],
+                         kr_full=[(refined & whole)[b, :, :t] for b, t in enumerate(t_list)])
+        # one transfer for every [B] sum (int64 counts: exact as doubles far past any cache's size)
+        k_bits, v_bits, k_caps, v_caps, kr_caps, kr_wanted_bits = torch.stack(
+            [k_bits, v_bits, k_caps, v_caps, kr_caps, kr_wanted_bits]).cpu().double()
+        if self.refine:
+            extra.update(kr_caps=kr_caps, kr_wanted_bits=kr_wanted_bits)
+        extra.update({"k_wanted": kdep.cpu(), "v_wanted": [vdep[b, :, :t] for b, t in enumerate(t_list)],
                       "v_depths": [v_read[b, :, :t] for b, t in enumerate(t_list)],
                       "k_caps": k_caps, "v_caps": v_caps, "kr_caps": kr_caps,
                       "wanted_bits": k_bits + v_bits + k_caps + v_caps + kr_caps})
         return ReadStats(
-            k_bits=k_bits, v_bits=v_bits, tokens=want.tokens, n_kv_heads=want.n_kv_heads, head_dim=d,
-            workspace_bytes=want.workspace_bytes, k_depths=k_read, v_depths=v_read, extra=extra)
+            k_bits=k_bits, v_bits=v_bits, tokens=lengths.to(torch.int64).cpu().double(), n_kv_heads=spec.n_kv_heads,
+            head_dim=d, workspace_bytes=two_stage_workspace_bytes(spec.n_q_heads, spec.n_kv_heads, max(t_list), d,
+                                                                  plan.batch),
+            k_depths=k_read.cpu(), v_depths=v_read, extra=extra)
+
+    def _depths(self, plan: Plan, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last run's depth buffers as int64 on ``lengths``' device: Key [B, Hkv, d] and Value [B, Hkv, T]
+        (0 past each sequence's ``lengths`` [B]; the Full Reader's fixed depth for every stored token)."""
+        dev = lengths.device
+        kdep = plan.kdep.to(device=dev, dtype=torch.int64)
+        vdep = plan.vdep.to(device=dev, dtype=torch.int64)
+        if self.fixed_depth:
+            vdep = torch.full_like(vdep, self.fixed_depth)
+        vmask = torch.arange(plan.max_tokens, device=dev)[None, None, :] < lengths[:, None, None]
+        return kdep, vdep * vmask
 
     def stats(self, plan: Plan, lengths: torch.Tensor) -> ReadStats:
         """Logical read of the last run, counted from its depth buffers."""
         spec = self.codec.spec
         lengths = lengths.to(torch.int64).cpu()
-        kdep = plan.kdep.cpu().to(torch.int64)
-        vdep = plan.vdep.cpu().to(torch.int64)
-        if self.fixed_depth:
-            vdep = torch.full_like(vdep, self.fixed_depth)
-        tok = torch.arange(plan.max_tokens)
-        vmask = tok[None, None, :] < lengths[:, None, None]
-        vdep = vdep * vmask
+        kdep, vdep = self._depths(plan, lengths)
         k_bits = (lengths * kdep.sum((1, 2))).double()
         refined = self.refined(plan) if self.refine else None
         if refined is not None:  # chosen tokens x the bits to refine one token of their head
@@ -538,15 +553,20 @@ class TritonReader:
 
     def refined(self, plan: Plan) -> torch.Tensor:
         """The tokens whose Keys the last run's refinement read at depth W: [B, Hkv, T] bool (CPU)."""
+        return self._refined(plan).cpu()
+
+    def _refined(self, plan: Plan) -> torch.Tensor:
+        """:meth:`refined` on the plan's device."""
         if not self.refine:
             raise ValueError("this reader's policy has no Key refinement")
         b, hk, tmax = plan.rord.shape
         blk = plan.choices.block_tokens
         nblk = plan.n_blocks
-        lp = torch.nn.functional.pad(plan.rord.cpu().to(torch.int64), (0, nblk * blk - tmax)).view(b, hk, nblk, blk)
-        take = torch.arange(blk)[None, None, None, :] < plan.rcnt.cpu().to(torch.int64)[..., None]
-        pos = torch.where(take, lp + (torch.arange(nblk) * blk)[None, None, :, None], nblk * blk)
-        out = torch.zeros(b, hk, nblk * blk + 1, dtype=torch.bool)
+        dev = plan.rord.device
+        lp = torch.nn.functional.pad(plan.rord.to(torch.int64), (0, nblk * blk - tmax)).view(b, hk, nblk, blk)
+        take = torch.arange(blk, device=dev)[None, None, None, :] < plan.rcnt.to(torch.int64)[..., None]
+        pos = torch.where(take, lp + (torch.arange(nblk, device=dev) * blk)[None, None, :, None], nblk * blk)
+        out = torch.zeros(b, hk, nblk * blk + 1, dtype=torch.bool, device=dev)
         out.scatter_(2, pos.view(b, hk, -1), True)
         return out[:, :, :tmax]
 

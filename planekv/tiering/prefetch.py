@@ -26,7 +26,6 @@ plan (``PrefetchPlan.missed``), so the next step reads it at the resident depth,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +33,7 @@ import torch
 
 from ..kvstore import Residency
 from ..kvstore.stats import ReadStats
+from .demand import step_demand
 
 
 class PromotionTarget(Protocol):
@@ -128,12 +128,12 @@ class Prefetcher:
         if "k_wanted" not in stats.extra:
             raise ValueError("prefetch needs a read under a residency (its stats carry k_wanted and v_wanted)")
         k_keep, k_fetch = self._keys(stats.extra["k_wanted"], residency.k_depth, hot_k, k_slots, k_pinned, width)
-        v_keep, v_fetch = self._pages(stats.extra["v_wanted"], residency.v_page_depth, hot_v, page_size, v_slots,
-                                      self.v_pages_per_step, lambda w: (w - hot_v).clamp_min(0))
+        demand = step_demand(stats, hot_v, page_size)
+        v_keep, v_fetch = self._pages(demand.v_pages, residency.v_page_depth, hot_v, v_slots, self.v_pages_per_step)
         kp_keep, kp_fetch = _none(3), _none(3)
-        if "kr_wanted" in stats.extra and residency.k_page_depth is not None:
-            kp_keep, kp_fetch = self._pages(stats.extra["kr_wanted"], residency.k_page_depth, hot_k, page_size,
-                                            kp_slots, self.k_pages_per_step, lambda w: w.long())
+        if demand.kr_pages is not None and residency.k_page_depth is not None:
+            kp_keep, kp_fetch = self._pages(demand.kr_pages, residency.k_page_depth, hot_k, kp_slots,
+                                            self.k_pages_per_step)
         return PrefetchPlan(k_keep, k_fetch, v_keep, v_fetch, kp_keep, kp_fetch)
 
     def _keys(self, wanted: torch.Tensor, resident: torch.Tensor, hot: int, slots: int,
@@ -156,27 +156,15 @@ class Prefetcher:
         m_fetch = m_fetch[: self._room(keep.shape[0] + fetch.shape[0] + m_keep.shape[0], slots, limit)]
         return torch.cat([m_keep.flip(0), keep.flip(0)]), torch.cat([fetch, m_fetch])
 
-    def _pages(self, wanted: list[torch.Tensor], page_depth: torch.Tensor, hot: int, page_size: int, slots: int,
-               limit: int | None, demand_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
-        """wanted: per sequence [Hkv, T] (Values: the depth each token asked for; Key pages: the tokens Key
-        refinement chose), page_depth [B, Hkv, slots]: sealed pages ranked by ``demand_of(wanted)`` summed over
-        their tokens (Values: the planes asked for past ``hot``; Key pages: the chosen tokens), the most demanded
-        first. Returns (keep, fetch), [n, 3] (b, h, page slot): keep least demanded first."""
-        sealed = [w_b.shape[1] // page_size for w_b in wanted]  # the open page is always resident
-        n_sealed = max(sealed, default=0)
-        if not n_sealed:
-            return _none(3), _none(3)
-        hk_n, dev = wanted[0].shape[0], wanted[0].device
-        # demand [B, Hkv, pages] (zero past a sequence's sealed pages), reduced a sequence at a time where its wants
-        # live (stacking the wants first would copy them all; BENCHMARKS.md, "Prefetch's host time"), then one
-        # nonzero and one sort over every sequence
-        demand = torch.zeros(len(wanted), hk_n, n_sealed, dtype=torch.int64, device=dev)
-        for b, (w_b, s_b) in enumerate(zip(wanted, sealed, strict=True)):
-            if s_b:
-                demand[b, :, :s_b] = demand_of(w_b[:, : s_b * page_size]).reshape(hk_n, s_b, page_size).sum(-1)
-        demand = demand.cpu()
+    def _pages(self, demand: torch.Tensor, page_depth: torch.Tensor, hot: int, slots: int,
+               limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """demand [B, Hkv, S] (:class:`~planekv.tiering.demand.StepDemand`'s ``v_pages`` or ``kr_pages``: zero
+        for the open page and past a sequence's sealed pages), page_depth [B, Hkv, slots]: the pages with demand,
+        the most demanded first, split into resident (deeper than ``hot``) and missing. Returns (keep, fetch),
+        [n, 3] (b, h, page slot): keep least demanded first."""
         items_t = demand.nonzero()  # [n, 3] (b, h, s), row-major
+        if not items_t.shape[0]:
+            return _none(3), _none(3)
         b, h, s = items_t.unbind(1)
         demand_t, on_t = demand[b, h, s], page_depth.cpu()[b, h, s] > hot
         order = torch.sort(-demand_t, stable=True).indices  # the most demanded first, ties in (b, h, s) order
@@ -267,8 +255,10 @@ class StepTally:
     _pending: dict[int, PrefetchPlan] = field(default_factory=dict, repr=False)
 
     def add(self, layer: int, stats: ReadStats, hot_k: int, hot_v: int, page_size: int) -> None:
-        """Count one step of ``layer`` (stats of a read under a residency)."""
+        """Count one step of ``layer`` (stats of a read under a residency; its per-token stats are reduced to
+        pages where they live, :func:`~planekv.tiering.demand.step_demand`)."""
         ex = stats.extra
+        dem = step_demand(stats, hot_v, page_size)
         self.steps += 1
         self.wanted_bits += float(ex["wanted_bits"].sum())
         kr_caps = ex.get("kr_caps")
@@ -279,18 +269,15 @@ class StepTally:
         self.beyond_hot_bits += float(((k_want - hot_k).clamp_min(0).sum((1, 2)).double() * n_tok).sum())
         self.served_bits += float(((torch.minimum(k_read, k_want) - hot_k).clamp_min(0).sum((1, 2)).double()
                                    * n_tok).sum())
-        d = stats.head_dim
-        for v_read, v_want in zip(ex["v_depths"], ex["v_wanted"], strict=True):
-            self.beyond_hot_bits += d * float((v_want - hot_v).clamp_min(0).sum())
-            self.served_bits += d * float((torch.minimum(v_read, v_want) - hot_v).clamp_min(0).sum())
-        if "kr_wanted" in ex:  # a chosen token wants every channel from its depth to W; those below h_K are hot
-            for b, (want_b, full_b) in enumerate(zip(ex["kr_wanted"], ex["kr_full"], strict=True)):
-                hot_part = (stats.k_depths[b].clamp_min(hot_k) - stats.k_depths[b]).sum(-1)  # [Hkv] per token
-                beyond = float(ex["kr_wanted_bits"][b]) - float((want_b.sum(-1) * hot_part).sum())
-                self.beyond_hot_bits += beyond
-                self.served_bits += beyond - float(kr_caps[b])
-                self.kr_wanted += int(want_b.sum())
-                self.kr_served += int((want_b & full_b).sum())
+        self.beyond_hot_bits += float(dem.v_beyond_bits.sum())
+        self.served_bits += float(dem.v_served_bits.sum())
+        if dem.kr_chosen is not None:  # a chosen token wants every channel from its depth to W; those below h_K are hot
+            hot_part = (k_read.clamp_min(hot_k) - k_read).sum(-1)  # [B, Hkv] hot bits of a token past its depth
+            beyond = ex["kr_wanted_bits"].double() - (dem.kr_chosen * hot_part).sum(-1).double()  # [B]
+            self.beyond_hot_bits += float(beyond.sum())
+            self.served_bits += float((beyond - kr_caps.double()).sum())
+            self.kr_wanted += int(dem.kr_chosen.sum())
+            self.kr_served += int(dem.kr_served.sum())
         plan = self._pending.pop(layer, None)
         if plan is not None:  # of the items fetched for this step, those it read
             self.fetched += plan.n_fetch
@@ -299,12 +286,11 @@ class StepTally:
             self.fetched_kp += plan.kp_fetch.shape[0]
             b, h, c, j = plan.k_fetch.unbind(1)
             self.fetched_used += int((k_read.cpu()[b, h, c] > j).sum())
-            for kind, pages in (("kr_full", plan.kp_fetch), ("v_depths", plan.v_fetch)):
-                if kind not in ex:
-                    continue
-                for b, h, s in pages.tolist():  # a page is used if one of its tokens read past its hot planes
-                    page = ex[kind][b][h, s * page_size: (s + 1) * page_size]
-                    self.fetched_used += int(bool(page.any() if kind == "kr_full" else (page > hot_v).any()))
+            # a page is used if one of its tokens read past its hot planes (Key pages: at depth W)
+            for used, pages in ((dem.v_read_deep, plan.v_fetch), (dem.kr_full_pages, plan.kp_fetch)):
+                if used is not None and pages.shape[0]:
+                    b, h, s = pages.unbind(1)
+                    self.fetched_used += int(used[b, h, s].sum())
 
     def fetched_for_next(self, layer: int, plan: PrefetchPlan) -> None:
         self._pending[layer] = plan
