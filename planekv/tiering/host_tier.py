@@ -432,6 +432,39 @@ class HostTier:
             if done != n:
                 raise KeyError(f"the host tier holds {done} of pages 0..{n - 1} of {stream}")
 
+    def row_addresses(self, stream: StreamKey, n: int, rows: np.ndarray, row_bytes: int,
+                      holds: list[torch.Tensor]) -> np.ndarray | None:
+        """The host addresses of rows ``rows`` [m] (as :meth:`gather_rows` sees a page) of pages ``0 .. n - 1`` of
+        ``stream``: int64 [m, n], for a device that reads pinned host memory in place
+        (``planekv.kernels.host_gather``); the blocks read are appended to ``holds`` (the caller keeps them until
+        the device has read them). None, with nothing counted, when a page is not in memory (spilled, or held only
+        remotely): the caller gathers with :meth:`gather_rows` instead. The same counts and errors as
+        :meth:`gather_rows` otherwise."""
+        with self._lock:
+            st = self._stream_of(stream, 0, n, "row_addresses")
+            if row_bytes < 1 or st.page_bytes % row_bytes:
+                raise ValueError(f"row_addresses: row_bytes must divide the page's {st.page_bytes} bytes, got "
+                                 f"{row_bytes}")
+            spans = [(blk, blk.first_slot, min(n, blk.first_slot + blk.n_pages)) for blk in st.blocks]
+            spans = [(blk, lo, hi) for blk, lo, hi in spans if lo < hi]
+            if sum(hi - lo for _, lo, hi in spans) != n:
+                raise KeyError(f"the host tier holds {sum(hi - lo for _, lo, hi in spans)} of pages 0..{n - 1} of "
+                               f"{stream}")
+            if any(blk.buf is None for blk, _, _ in spans):
+                return None
+            out = np.empty((rows.size, n), dtype=np.int64)
+            row_off = rows.astype(np.int64) * row_bytes  # [m]
+            for blk, lo, hi in spans:
+                assert blk.buf is not None
+                base = blk.buf.data_ptr() + HEADER_BYTES + (np.arange(lo, hi, dtype=np.int64) - blk.first_slot) \
+                    * st.page_bytes  # [hi - lo] each page's first byte
+                out[:, lo:hi] = base[None, :] + row_off[:, None]
+                holds.append(blk.buf)
+                self._reads += 1
+                blk.last_read = self._reads
+                self.read_bytes["host"] += (hi - lo) * rows.size * row_bytes
+            return out
+
     def _stream_of(self, stream: StreamKey, first: int, n: int, what: str) -> _Stream:
         """The stream a read of ``n`` pages from ``first`` asks for (ValueError for n < 1, KeyError if not held)."""
         if n < 1:

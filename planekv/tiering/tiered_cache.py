@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels._dispatch import interpreting
+from ..kernels.host_gather import gather_rows
 from ..kvstore import FormatSpec, PlaneKVError, Residency
 from ..kvstore.errors import CacheFull, FormatMismatch
 from ..kvstore.planes import (
@@ -105,14 +107,16 @@ class TieredCache:
                  host_bytes: int | None = None, k_promotion_share: float = 0.5,
                  sequence_ids: list[str] | None = None, key_page_bytes: int = 0,
                  spill: SpillTier | None = None, remote: RemoteWriter | None = None,
-                 key_channel_scores: torch.Tensor | None = None) -> None:
+                 key_channel_scores: torch.Tensor | None = None, zero_copy: bool | None = None) -> None:
         """``promotion_bytes``: the promotion cache (Key channel-planes and Value pages) over every layer;
         ``key_page_bytes``: sealed Key pages for Key refinement over every layer, beside it (0: a refined token
         of a sealed page reads at its channels' resident depths, a cap); ``spill``: where a full host tier moves
         its least recently read blocks (NVMe files; None: a full host tier refuses pages); ``remote``: the writer
         of a remote tier (the store service) that takes a copy of every sealed block and serves the blocks a full
         host tier drops (``HostTier``); ``key_channel_scores`` [layers, KV heads, d]: which Key channels are deep
-        when the placement has ``deep_key_channels`` (:meth:`_pin_deep_key_channels`)."""
+        when the placement has ``deep_key_channels`` (:meth:`_pin_deep_key_channels`); ``zero_copy``: Key
+        channel-planes are promoted by the device reading the host tier's pinned blocks in place
+        (``planekv.kernels.host_gather``; None: on CUDA devices; on the CPU only under Triton's interpreter)."""
         if batch_size < 1 or max_tokens < 1:
             raise ValueError(f"batch_size and max_tokens must be >= 1, got {batch_size} and {max_tokens}")
         placement.check_format(spec.n_layers, spec.width)
@@ -129,6 +133,11 @@ class TieredCache:
         self.budgets = {"hot_bytes": hot_bytes, "promotion_bytes": promotion_bytes, "host_bytes": host_bytes,
                         "k_promotion_share": k_promotion_share, "key_page_bytes": key_page_bytes}
         self.device = torch.device(device)
+        self.zero_copy = self.device.type == "cuda" if zero_copy is None else zero_copy
+        if self.zero_copy and self.device.type != "cuda" and not interpreting():
+            raise ValueError("zero_copy promotions need a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        # per layer: the host blocks a zero-copy gather reads, kept until the event recorded after it has passed
+        self._gather_holds: dict[int, tuple[torch.cuda.Event | None, list[torch.Tensor]]] = {}
         self.max_tokens = max_tokens
         self.sequence_ids = sequence_ids or [f"s{b}" for b in range(batch_size)]
         if len(self.sequence_ids) != batch_size or len(set(self.sequence_ids)) != batch_size:
@@ -183,8 +192,9 @@ class TieredCache:
         self.page_table = torch.full((batch_size, hk_n, 0), -1, dtype=torch.int64)
         self.lengths = torch.zeros((L, batch_size), dtype=torch.int64)
         self._free = list(range(n0 - 1, -1, -1))
+        # k_zero_copy: Key channel-planes promoted by the device reading pinned host blocks in place (of k_promoted)
         self.counters = {"k_promoted": 0, "v_promoted": 0, "kp_promoted": 0, "k_evicted": 0, "v_evicted": 0,
-                         "kp_evicted": 0, "sealed": 0}
+                         "kp_evicted": 0, "sealed": 0, "k_zero_copy": 0}
         self._pin_deep_key_channels(key_channel_scores)
 
     # ---- shapes and bytes ----
@@ -549,9 +559,94 @@ class TieredCache:
         table.view(-1)[flat[taken]] = slots.to(table.dtype)
         fill = items[taken]
         if fill.shape[0]:
-            self.k_promo[layer].index_copy_(0, slots.to(self.k_promo[layer].device), self._k_vectors(layer, fill))
+            self._fill_k_slots(layer, fill, slots)
         self.counters["k_promoted"] += fill.shape[0]
         return fill.shape[0]
+
+    def _fill_k_slots(self, layer: int, items: torch.Tensor, slots: torch.Tensor) -> None:
+        """``k_promo[layer][slots[i]]`` = the vector of ``items[i]`` (b, h, c, j) (:meth:`_k_vectors`). With
+        ``zero_copy`` the device reads the rows of sealed pages from the host tier's pinned blocks in place
+        (:meth:`HostTier.row_addresses`, ``planekv.kernels.host_gather``); items with a page out of memory (spilled,
+        remote) and every item without ``zero_copy`` go through a host gather and one copy."""
+        promo = self.k_promo[layer]
+        dev = promo.device
+        slots = slots.to(torch.int64)
+        on_host = torch.ones(items.shape[0], dtype=torch.bool)  # [n] gathered on the host
+        if self.zero_copy:
+            holds: list[torch.Tensor] = []
+            table, on_host = self._k_row_table(layer, items, holds)
+            direct = (~on_host).nonzero().flatten()
+            if direct.numel():
+                gather_rows(table[direct].to(dev), slots[direct].to(dev), promo)
+                opened = self._open_k_rows(layer, items[direct])
+                if opened is not None:
+                    idx, page, rows = opened
+                    promo[slots[direct][idx].to(dev), page.to(dev)] = rows.to(dev)
+                self._hold(layer, holds)
+                self.counters["k_zero_copy"] += direct.numel()
+        if bool(on_host.any()):
+            rest = on_host.nonzero().flatten()
+            promo.index_copy_(0, slots[rest].to(dev), self._k_vectors(layer, items[rest]))
+
+    def _hold(self, layer: int, holds: list[torch.Tensor]) -> None:
+        """Keep the host blocks a zero-copy gather of ``layer`` reads until the device has passed it (an event on
+        CUDA); the previous gather's are let go once its event has completed."""
+        prev = self._gather_holds.pop(layer, None)
+        if prev is not None and prev[0] is not None:
+            prev[0].synchronize()
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._gather_holds[layer] = (event, holds)
+
+    def _k_groups(self, layer: int, items: torch.Tensor) -> list[tuple[int, int, int, np.ndarray]]:
+        """items [n, 4] (b, h, c, j) grouped by (sequence, KV head): (b, h, sealed pages of b, the items' indices)."""
+        hk_n = self.spec.n_kv_heads
+        it = items.cpu().numpy()
+        head = it[:, 0] * hk_n + it[:, 1]  # [n] the (b, h) of each item
+        order = np.argsort(head, kind="stable")
+        heads, starts = np.unique(head[order], return_index=True)
+        sealed_of = (self.lengths[layer] // self.spec.page_size).numpy()  # [B]
+        ends = list(starts[1:]) + [len(order)]
+        return [(hb // hk_n, hb % hk_n, int(sealed_of[hb // hk_n]), order[lo:hi])
+                for hb, lo, hi in zip(heads.tolist(), starts.tolist(), ends, strict=True)]
+
+    def _k_rows(self, layer: int, items: torch.Tensor) -> np.ndarray:
+        """items [n, 4] -> [n] each item's row of a K page in the host tier ([W - h_K, d, P/8]: (plane, channel))."""
+        it = items.cpu().numpy()
+        return (it[:, 3] - self.hot_k[layer]) * self.spec.head_dim + it[:, 2]
+
+    def _k_row_table(self, layer: int, items: torch.Tensor,
+                     holds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For items [n, 4]: the host address of each sealed page's row, [n, max_slots] int64 (0: no sealed page
+        there), and which items have a page out of memory ([n] bool: to gather on the host instead)."""
+        table = np.zeros((items.shape[0], self.max_slots), dtype=np.int64)
+        on_host = np.zeros(items.shape[0], dtype=bool)
+        row = self._k_rows(layer, items)
+        for b, h, sealed, mine in self._k_groups(layer, items):
+            if not sealed:
+                continue
+            addr = self.host.row_addresses((self.sequence_ids[b], "k", layer, h), sealed, row[mine], self.k_row,
+                                           holds)
+            if addr is None:
+                on_host[mine] = True
+            else:
+                table[mine, :sealed] = addr
+        return torch.from_numpy(table), torch.from_numpy(on_host)
+
+    def _open_k_rows(self, layer: int, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The open pages' rows of items [n, 4] whose sequence has one: (their indices [m], the open page's slot
+        [m], its rows [m, P/8] on the device where they live); None if no item's sequence has an open page."""
+        p, hk_n = self.spec.page_size, self.spec.n_kv_heads
+        lengths = self.lengths[layer][items[:, 0]]  # [n]
+        idx = (lengths % p).nonzero().flatten()
+        if not idx.numel():
+            return None
+        b, h, c, j = items[idx].unbind(1)
+        dev = self.k_open[layer].device
+        rows = self.k_open[layer][(b * hk_n + h).to(dev), (j - self.hot_k[layer]).to(dev), c.to(dev)]  # [m, P/8]
+        return idx, lengths[idx] // p, rows
 
     def _k_owner(self, layer: int, items: torch.Tensor) -> torch.Tensor:
         """items [n, 4] (b, h, c, j) -> [n] their flat index into ``k_slot[layer]`` (the Key LRU's owner ids)."""
@@ -564,31 +659,20 @@ class TieredCache:
         P/8] on the device. Sealed pages' rows come from the host tier (:meth:`HostTier.gather_rows`, one call per
         (b, h) for all of its items) into one staging buffer (pinned on CUDA hosts) that goes to the device in one
         copy; the open pages' rows are gathered on the device, where they live."""
-        hk, d, p, hk_n = self.hot_k[layer], self.spec.head_dim, self.spec.page_size, self.spec.n_kv_heads
         n = items.shape[0]
         cuda = self.device.type == "cuda"
         staged = torch.zeros(n, self.max_slots, self.k_row, dtype=torch.uint8, pin_memory=cuda)
-        out_np, it = staged.numpy(), items.cpu().numpy()
-        head = it[:, 0] * hk_n + it[:, 1]  # [n] the (b, h) of each item
-        order = np.argsort(head, kind="stable")
-        heads, starts = np.unique(head[order], return_index=True)
-        row = (it[:, 3] - hk) * d + it[:, 2]  # [n] a page is [W - h_K, d, P/8]: the item's (plane, channel) row
-        sealed_of = (self.lengths[layer] // p).numpy()  # [B]
-        for g, hb in enumerate(heads.tolist()):
-            b, h = divmod(hb, hk_n)
-            if not sealed_of[b]:
-                continue
-            mine = order[starts[g]: starts[g + 1] if g + 1 < len(starts) else n]
-            self.host.gather_rows((self.sequence_ids[b], "k", layer, h), int(sealed_of[b]), row[mine], self.k_row,
-                                  out_np, mine)
+        out_np = staged.numpy()
+        row = self._k_rows(layer, items)
+        for b, h, sealed, mine in self._k_groups(layer, items):
+            if sealed:
+                self.host.gather_rows((self.sequence_ids[b], "k", layer, h), sealed, row[mine], self.k_row, out_np,
+                                      mine)
         out = staged.to(self.device, non_blocking=cuda)
-        lengths = self.lengths[layer][items[:, 0]]  # [n]
-        has_open = (lengths % p).nonzero().flatten()  # items whose sequence has an open page
-        if has_open.numel():
-            b, h, c, j = items[has_open].unbind(1)
-            dev = self.k_open[layer].device
-            rows = self.k_open[layer][(b * hk_n + h).to(dev), (j - hk).to(dev), c.to(dev)]  # [m, P/8]
-            out[has_open.to(out.device), (lengths[has_open] // p).to(out.device)] = rows.to(out.device)
+        opened = self._open_k_rows(layer, items)
+        if opened is not None:
+            idx, page, rows = opened
+            out[idx.to(out.device), page.to(out.device)] = rows.to(out.device)
         return out
 
     # ---- residency and reads ----

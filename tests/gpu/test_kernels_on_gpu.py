@@ -139,3 +139,34 @@ def test_the_tiered_read_matches_the_reference_at_full_size(hot: int, policy: st
     if not k_diff + v_diff:  # the same depths: the same caps, counted by each side
         assert torch.equal(st.extra["k_caps"], rst.extra["k_caps"]) and torch.equal(st.extra["v_caps"],
                                                                                     rst.extra["v_caps"])
+
+
+def test_tiered_promotions_read_pinned_host_blocks_in_place_equal_to_the_host_gather() -> None:
+    """On CUDA a tiered cache promotes Key channel-planes by the device reading the host tier's pinned blocks in
+    place (zero copy); the promoted planes equal those of the host gather and read back as the stored codes."""
+    from planekv.tiering import HotPlanes, PlacementPolicy, TieredCache
+
+    data = _step(32, 8, 128, "gaussian-lloyd-tree", 1)
+    spec = data.codec.spec
+    caches = [TieredCache(spec, len(LENGTHS), PlacementPolicy(format_id=spec.format_id, block_bytes=1 << 20,
+                                                              hot_planes=HotPlanes(k=4, v=4)),
+                          max_tokens=max(LENGTHS), device="cuda", promotion_bytes=64 << 20, zero_copy=zc)
+              for zc in (True, False)]
+    for cache in caches:
+        for b, t in enumerate(LENGTHS):
+            cache.append(0, data.cache.read_k(0, b, 8)[:, :t], data.cache.read_v(0, b, 8)[:, :t], seq=b)
+    g = torch.Generator().manual_seed(5)
+    n = 300
+    items = torch.stack([torch.randint(0, len(LENGTHS), (n,), generator=g), torch.randint(0, 8, (n,), generator=g),
+                         torch.randint(0, 128, (n,), generator=g), torch.randint(4, 8, (n,), generator=g)], 1)
+    for cache in caches:
+        cache.promote_keys(0, items)
+    torch.cuda.synchronize()
+    zc, host = caches
+    assert zc.counters["k_zero_copy"] == zc.counters["k_promoted"] > 0 and host.counters["k_zero_copy"] == 0
+    assert torch.equal(zc.k_slot[0], host.k_slot[0]) and torch.equal(zc.k_promo[0], host.k_promo[0])
+    everything = torch.tensor([(b, h, c, j) for b in range(len(LENGTHS)) for h in range(8) for c in range(128)
+                               for j in range(4, 8)])
+    zc.promote_keys(0, everything)
+    for b in range(len(LENGTHS)):
+        assert torch.equal(zc.read_k(0, b, 8).cpu(), data.cache.read_k(0, b, 8)[:, :LENGTHS[b]].cpu())

@@ -1,6 +1,8 @@
 """The host tier holds what it stores: an open block grows as pages arrive, a full block is sealed as a frame, and
 a page that does not fit is refused with nothing lost."""
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -93,6 +95,24 @@ def test_a_run_of_pages_reads_as_the_pages_one_by_one_in_memory_and_spilled(tmp_
     assert (out[[1, 5]] == 255).all() and (out[:, 19:] == 255).all()  # other items and pages untouched
     in_memory = sum(1 for i in range(19) if i >= 8)  # pages 0..7 were spilled, the rest are in memory
     assert tier2.read_bytes["host"] - before == in_memory * 5 * 16  # only the rows were copied out of memory
+    # row_addresses: where those rows lie in memory, or None (nothing counted) while a page is in a file
+    holds: list[torch.Tensor] = []
+    before = tier2.read_bytes["host"]
+    assert tier2.row_addresses(STREAM, 19, rows, 16, holds) is None and not holds
+    assert tier2.read_bytes["host"] == before
+    stream2 = ("seq-1", "k", 0, 0)
+    for i in range(12):
+        tier2.put_page(stream2, i, (4, 8), varied[i])
+    addr = tier2.row_addresses(stream2, 12, rows, 16, holds)
+    assert addr is not None and addr.shape == (5, 12) and holds
+    got = np.stack([[ctypes.string_at(int(a), 16) for a in line] for line in addr])
+    want = np.stack([[bytes(varied[p].view(64, 16)[r].numpy()) for p in range(12)] for r in rows])
+    assert (got == want).all()
+    assert tier2.read_bytes["host"] - before == 12 * 5 * 16
+    with pytest.raises(ValueError, match="row_bytes"):
+        tier2.row_addresses(stream2, 1, rows, 24, holds)
+    with pytest.raises(KeyError):
+        tier2.row_addresses(stream2, 13, rows, 16, holds)
     with pytest.raises(ValueError, match="row_bytes"):
         tier2.gather_rows(STREAM, 1, rows, 24, out, dest)
     with pytest.raises(KeyError):

@@ -57,15 +57,17 @@ def test_with_every_plane_hot_it_reads_as_the_plane_cache() -> None:
             assert torch.equal(tiered.read_v(layer, b, 8), flat.read_v(layer, b, 8))
 
 
-@pytest.mark.parametrize("v_run", [1, 2])
-def test_sealed_pages_go_to_the_host_tier_as_frames_and_promote_back(v_run: int) -> None:
+@pytest.mark.parametrize("v_run,zero_copy", [(1, False), (2, False), (1, True)])
+def test_sealed_pages_go_to_the_host_tier_as_frames_and_promote_back(v_run: int, zero_copy: bool) -> None:
     """Refinement planes of full pages are framed in the host tier (one block per stream here: 1 MiB holds them
     all, so none is sealed yet; a small block size seals them); the open page and the most recent sealed pages
     stay readable to W; promoting every Key channel-plane and Value page makes the whole cache readable, equal
-    to the plane cache's codes."""
+    to the plane cache's codes, whether the host gathers the Key rows or the device reads them in place
+    (``zero_copy``: Triton's interpreter on the CPU)."""
     codec, codes, _ = _data(v_run)
     flat = _fill(PlaneKVCache(codec.spec, 2), codes)
-    tiered = _fill(TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20), codes)
+    tiered = _fill(TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20,
+                               zero_copy=zero_copy), codes)
     assert tiered.counters["sealed"] == 2 * (4 + 2)  # per layer: 4 + 2 full pages
     res = tiered.residency(0)
     assert bool((res.k_depth == 4).all())  # no Key channel-plane promoted yet
@@ -78,6 +80,7 @@ def test_sealed_pages_go_to_the_host_tier_as_frames_and_promote_back(v_run: int)
         n_k = tiered.promote_keys(layer, [(b, h, c, j) for b in range(2) for h in range(hk_n) for c in range(d)
                                           for j in range(4, 8)])
         assert n_k == 2 * hk_n * d * 4
+        assert tiered.counters["k_zero_copy"] == (layer + 1) * n_k * zero_copy
         tiered.promote_values(layer, [(b, h, s) for b, t in enumerate(LENGTHS) for h in range(hk_n)
                                       for s in range(t // 64)])
         res = tiered.residency(layer)
@@ -316,10 +319,12 @@ def test_tier_aware_key_refinement_chooses_within_each_tokens_limit() -> None:
                        + st.extra["kr_caps"])
 
 
-def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equal(tmp_path) -> None:
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equal(tmp_path, zero_copy) -> None:
     """A host tier of a few small blocks with a spill tier (POSIX here): sealed blocks move to files, the cache
     counts them as NVMe bytes, and promoting every Key channel-plane and Value page from there reads the plane
-    cache's codes; without the spill tier the same host tier refuses the pages."""
+    cache's codes (with ``zero_copy``, heads whose blocks are all in memory are read in place by the device, the
+    others gathered on the host); without the spill tier the same host tier refuses the pages."""
     from planekv.tiering import SpillTier
 
     codec, codes, _ = _data()
@@ -327,7 +332,7 @@ def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equa
     block = 4096 + 2 * 1024  # two Key pages of 4 planes x 32 channels x 8 bytes per block
     spill = SpillTier(tmp_path, capacity_bytes=16 << 20, backend="posix")
     tiered = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, promotion_bytes=2 << 20,
-                         host_bytes=40 * block, spill=spill)
+                         host_bytes=40 * block, spill=spill, zero_copy=zero_copy)
     tiered.host.block_bytes = block
     _fill(tiered, codes)
     tb = tiered.bytes()
@@ -341,6 +346,9 @@ def test_a_host_tier_too_small_spills_to_files_and_everything_promotes_back_equa
         for b in range(2):
             assert torch.equal(tiered.read_k(layer, b, 8), flat.read_k(layer, b, 8))
             assert torch.equal(tiered.read_v(layer, b, 8), flat.read_v(layer, b, 8))
+    # both ways were taken: some heads in place, the spilled ones on the host
+    assert 0 < tiered.counters["k_zero_copy"] < tiered.counters["k_promoted"] if zero_copy else \
+        tiered.counters["k_zero_copy"] == 0
     no_spill = TieredCache(codec.spec, 2, _policy(4, 2), max_tokens=512, host_bytes=40 * block)
     no_spill.host.block_bytes = block
     with pytest.raises(TierFull, match="host tier full"):
