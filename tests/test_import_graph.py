@@ -13,8 +13,10 @@ a layer may not import each other.
 
 0. ``planekv`` (the root ``__init__``: the version; imports nothing)
 1. ``kvstore``: the ground (format, codec, planes, calibration, errors, the atomic write)
-2. ``kernels`` and ``tiering``: each builds on kvstore only
-3. ``settings``: the one settings model (imports no other part); services and above may use it
+2. ``kernels``: builds on kvstore only
+3. ``tiering`` and ``settings``, side by side. Tiering builds on kvstore and on kernels for its zero-copy
+   promotion kernel (``kernels.host_gather``, imported where a promotion runs on the device: Triton is
+   optional); settings is the one settings model (imports no other part); services and above may use it
 4. ``services`` and ``models``, side by side. Services build on tiering, kvstore and settings;
    models on kvstore and kernels (``hf.get_reader("triton")`` loads ``planekv.kernels``). The code
    has neither importing the other, so they share a layer rather than being stacked (services <
@@ -40,7 +42,7 @@ LAYERS: dict[str, int] = {
     "planekv": 0,
     "planekv.kvstore": 1,
     "planekv.kernels": 2,
-    "planekv.tiering": 2,
+    "planekv.tiering": 3,
     "planekv.settings": 3,
     "planekv.services": 4,
     "planekv.models": 4,

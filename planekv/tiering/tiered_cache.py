@@ -32,8 +32,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels._dispatch import interpreting
-from ..kernels.host_gather import gather_rows
 from ..kvstore import FormatSpec, PlaneKVError, Residency
 from ..kvstore.errors import CacheFull, FormatMismatch
 from ..kvstore.planes import (
@@ -134,8 +132,11 @@ class TieredCache:
                         "k_promotion_share": k_promotion_share, "key_page_bytes": key_page_bytes}
         self.device = torch.device(device)
         self.zero_copy = self.device.type == "cuda" if zero_copy is None else zero_copy
-        if self.zero_copy and self.device.type != "cuda" and not interpreting():
-            raise ValueError("zero_copy promotions need a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        if self.zero_copy:  # the kernel needs Triton (an optional dependency): imported only where it is used
+            from ..kernels._dispatch import interpreting
+
+            if self.device.type != "cuda" and not interpreting():
+                raise ValueError("zero_copy promotions need a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         # per layer: the host blocks a zero-copy gather reads, kept until the event recorded after it has passed
         self._gather_holds: dict[int, tuple[torch.cuda.Event | None, list[torch.Tensor]]] = {}
         self.max_tokens = max_tokens
@@ -573,6 +574,8 @@ class TieredCache:
         slots = slots.to(torch.int64)
         on_host = torch.ones(items.shape[0], dtype=torch.bool)  # [n] gathered on the host
         if self.zero_copy:
+            from ..kernels.host_gather import gather_rows  # Triton: imported where a promotion runs on the device
+
             holds: list[torch.Tensor] = []
             table, on_host = self._k_row_table(layer, items, holds)
             direct = (~on_host).nonzero().flatten()
