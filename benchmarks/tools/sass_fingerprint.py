@@ -183,6 +183,12 @@ def _patch_reader() -> None:
     import planekv.kernels.fp8 as F
 
     E.check_device = F.check_device = _dispatch.check_device
+    try:  # the zero-copy promotion kernel (trees since it was added)
+        import planekv.kernels.host_gather as HG
+
+        HG.check_device = _dispatch.check_device
+    except ImportError:
+        pass
     if hasattr(R, "target_of"):  # the reader decides by planekv.kernels.config.Target
         from planekv.kernels.config import Target
 
@@ -260,7 +266,8 @@ def trace(sc: Scenario) -> list[dict[str, Any]]:
 
 def _trace_tiered(sc: Scenario, codec, pol) -> list[dict[str, Any]]:
     """The launches of one step of ``sc`` over a TieredCache of ``sc.tokens`` tokens per sequence (sealed pages,
-    an open one, Key page slots), read by the FMA stages as decode_tiered reads it."""
+    an open one, Key page slots), read by the FMA stages as decode_tiered reads it, after a zero-copy promotion of
+    Key channel-planes (``planekv.kernels.host_gather``)."""
     from planekv.kernels import ReaderConfig, TritonReader
     from planekv.tiering import PlacementPolicy, TieredCache
     from planekv.tiering.placement import HotPlanes
@@ -276,6 +283,9 @@ def _trace_tiered(sc: Scenario, codec, pol) -> list[dict[str, Any]]:
     BUFFERS.clear()
     BUFFERS.update(q=q)
     del LAUNCHES[:]
+    if hasattr(cache, "zero_copy"):  # a zero-copy promotion of two Key channel-planes (CUDA's default), traced
+        cache.zero_copy = True
+        cache.promote_keys(0, [(0, 0, 0, h), (sc.batch - 1, sc.hk - 1, sc.d - 1, spec.width - 1)])
     reader.decode_tiered(q, cache, 0)
     return list(LAUNCHES)
 
