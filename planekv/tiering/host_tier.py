@@ -413,24 +413,14 @@ class HostTier:
         microseconds where torch's costs tens (a prefetch gathers the Key channel-planes of a hundred heads a step).
         The same counts and errors as :meth:`pages`."""
         with self._lock:
-            st = self._stream_of(stream, 0, n, "gather_rows")
-            if row_bytes < 1 or st.page_bytes % row_bytes:
-                raise ValueError(f"gather_rows: row_bytes must divide the page's {st.page_bytes} bytes, got "
-                                 f"{row_bytes}")
-            done = 0
-            for blk in st.blocks:
-                lo, hi = blk.first_slot, min(n, blk.first_slot + blk.n_pages)
-                if lo >= hi:
-                    continue
+            st, spans = self._row_spans(stream, n, row_bytes, "gather_rows")
+            for blk, lo, hi in spans:
                 in_memory = blk.buf is not None
                 run = self._run(st, blk, lo, hi)
                 assert run is not None
                 out[dest, lo:hi] = run.numpy().reshape(hi - lo, -1, row_bytes)[:, rows].swapaxes(0, 1)
                 if in_memory:  # only the rows were copied out of host memory
                     self.read_bytes["host"] += (hi - lo) * rows.size * row_bytes
-                done += hi - lo
-            if done != n:
-                raise KeyError(f"the host tier holds {done} of pages 0..{n - 1} of {stream}")
 
     def row_addresses(self, stream: StreamKey, n: int, rows: np.ndarray, row_bytes: int,
                       holds: list[torch.Tensor]) -> np.ndarray | None:
@@ -441,15 +431,7 @@ class HostTier:
         remotely): the caller gathers with :meth:`gather_rows` instead. The same counts and errors as
         :meth:`gather_rows` otherwise."""
         with self._lock:
-            st = self._stream_of(stream, 0, n, "row_addresses")
-            if row_bytes < 1 or st.page_bytes % row_bytes:
-                raise ValueError(f"row_addresses: row_bytes must divide the page's {st.page_bytes} bytes, got "
-                                 f"{row_bytes}")
-            spans = [(blk, blk.first_slot, min(n, blk.first_slot + blk.n_pages)) for blk in st.blocks]
-            spans = [(blk, lo, hi) for blk, lo, hi in spans if lo < hi]
-            if sum(hi - lo for _, lo, hi in spans) != n:
-                raise KeyError(f"the host tier holds {sum(hi - lo for _, lo, hi in spans)} of pages 0..{n - 1} of "
-                               f"{stream}")
+            st, spans = self._row_spans(stream, n, row_bytes, "row_addresses")
             if any(blk.buf is None for blk, _, _ in spans):
                 return None
             out = np.empty((rows.size, n), dtype=np.int64)
@@ -464,6 +446,21 @@ class HostTier:
                 blk.last_read = self._reads
                 self.read_bytes["host"] += (hi - lo) * rows.size * row_bytes
             return out
+
+    def _row_spans(self, stream: StreamKey, n: int, row_bytes: int,
+                   what: str) -> tuple[_Stream, list[tuple[_Block, int, int]]]:
+        """For a read of rows of pages ``0 .. n - 1`` of ``stream``: the stream and its blocks' spans (block, first
+        page slot, end), in page order; ValueError where ``row_bytes`` does not divide a page, KeyError where the
+        spans do not cover the ``n`` pages. Under the lock."""
+        st = self._stream_of(stream, 0, n, what)
+        if row_bytes < 1 or st.page_bytes % row_bytes:
+            raise ValueError(f"{what}: row_bytes must divide the page's {st.page_bytes} bytes, got {row_bytes}")
+        spans = [(blk, blk.first_slot, min(n, blk.first_slot + blk.n_pages)) for blk in st.blocks]
+        spans = [(blk, lo, hi) for blk, lo, hi in spans if lo < hi]
+        held = sum(hi - lo for _, lo, hi in spans)
+        if held != n:
+            raise KeyError(f"the host tier holds {held} of pages 0..{n - 1} of {stream}")
+        return st, spans
 
     def _stream_of(self, stream: StreamKey, first: int, n: int, what: str) -> _Stream:
         """The stream a read of ``n`` pages from ``first`` asks for (ValueError for n < 1, KeyError if not held)."""
